@@ -17,7 +17,8 @@ TARGETS = {
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
     for name, module in TARGETS.items():
-        add_subcommand(sub.add_parser(name, help=f"benchmark {name} ({module})"), module, f"lowprec bench {name}")
+        parser_for_target = sub.add_parser(name, help=f"benchmark {name} ({module})")
+        add_subcommand(parser_for_target, module, f"lowprec bench {name}")
 
 
 def run(args: argparse.Namespace) -> int:
