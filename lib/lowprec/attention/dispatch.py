@@ -1,0 +1,104 @@
+"""`attention(q, k, v, backend=..., causal=True, **kw)`: one entry point for every attention implementation.
+
+Backends (all take and return (batch, heads, seq, head_dim) tensors; the output has q's dtype):
+- "reference": float64 softmax attention (`reference_attention`), cast back to q's dtype.
+- "math": plain attention in the input dtype, op by op as torch does it: q @ k^T * scale, mask, softmax, @ v.
+- "sdpa": torch.nn.functional.scaled_dot_product_attention; `sdpa_backend=` "flash" | "efficient" | "cudnn" |
+  "math" pins one torch kernel (default: torch chooses).
+- "emulated": `emulated_attention` (pure PyTorch, the kernel's tile order and rounding points); keywords
+  precision, fix, block_m, block_n, delta, o_for_delta, generator, return_stats, return_lse.
+- "triton": `flash_attention` (the Triton kernel; on CPU it runs under TRITON_INTERPRET=1); keywords
+  precision, fix, seed, block_m, block_n, return_stats, return_lse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lowprec.attention.reference import causal_mask, check_qkv, reference_attention
+
+BACKENDS = ("reference", "math", "sdpa", "emulated", "triton")
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Standard (non-flash) attention with every op in the input dtype."""
+    check_qkv(q, k, v)
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sdpa_backend: str | None = None
+) -> torch.Tensor:
+    """torch's scaled_dot_product_attention, optionally pinned to one of its kernels."""
+    check_qkv(q, k, v)
+    if sdpa_backend is None:
+        ctx = contextlib.nullcontext()
+    elif sdpa_backend in SDPA_BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {
+            "flash": "FLASH_ATTENTION",
+            "efficient": "EFFICIENT_ATTENTION",
+            "cudnn": "CUDNN_ATTENTION",
+            "math": "MATH",
+        }
+        ctx = sdpa_kernel(getattr(SDPBackend, names[sdpa_backend]))
+    else:
+        raise ValueError(f"sdpa_backend must be None or one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+    with ctx:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", causal: bool = True, **kw
+) -> torch.Tensor:
+    """Attention output (q's dtype) from the named backend; see the module docstring for backends and
+    keywords.
+
+    "emulated" and "triton" also take return_lse / return_stats: the result is then (o, [lse], [stats]).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    allowed = {
+        "reference": set(),
+        "math": set(),
+        "sdpa": {"sdpa_backend"},
+        "emulated": {
+            "precision",
+            "fix",
+            "block_m",
+            "block_n",
+            "delta",
+            "o_for_delta",
+            "generator",
+            "return_stats",
+            "return_lse",
+        },
+        "triton": {"precision", "fix", "seed", "block_m", "block_n", "return_stats", "return_lse"},
+    }[backend]
+    unknown = sorted(set(kw) - allowed)
+    if unknown:
+        raise ValueError(
+            f"backend {backend!r} does not take {unknown}; it accepts {sorted(allowed) or 'none'}"
+        )
+    if backend == "reference":
+        return reference_attention(q, k, v, causal)[0].to(q.dtype)
+    if backend == "math":
+        return math_attention(q, k, v, causal)
+    if backend == "sdpa":
+        return sdpa_attention(q, k, v, causal, **kw)
+    if backend == "emulated":
+        from lowprec.attention.emulated import emulated_attention
+
+        return emulated_attention(q, k, v, causal=causal, **kw)
+    from lowprec.attention.triton_kernels import flash_attention
+
+    return flash_attention(q, k, v, causal=causal, **kw)

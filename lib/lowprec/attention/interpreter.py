@@ -1,0 +1,129 @@
+"""Make Triton's CPU interpreter (TRITON_INTERPRET=1) compute what the emulator computes, bit for bit.
+
+Triton 3.6.0's interpreter (triton/runtime/interpreter.py, `InterpreterBuilder`) cannot run a bf16 flash
+attention kernel faithfully:
+- bf16 tensors are numpy uint16 bit patterns, and `create_dot` multiplies those integers (garbage for bf16
+  dots);
+- fp32 -> bf16 casts (`cast_impl` via `_convert_float(..., rounding_mode=None)`) truncate instead of rounding
+  to nearest even (a GPU uses cvt.rn.bf16.f32; truncation alone biases attention outputs ~100x more than the
+  effect this project studies);
+- exp/log are numpy float32 ufuncs, `tl.sum` is numpy's pairwise sum and fp32 dots are OpenBLAS sgemm: all
+  correct to within an ulp or so, but not bit-compatible with any torch computation.
+
+`apply()` replaces, on the interpreter's builder:
+- `create_dot`: operands (bf16 bits, fp16 or fp32) widened exactly to fp64, one fp64 matmul, rounded once to
+  fp32, then the accumulator added in fp32 (the "exact model": order- and library-independent);
+- `cast_impl` for fp32 -> bf16: round to nearest even with integer ops (NaN stays NaN);
+- `create_exp`, `create_exp2`, `create_log`, `create_log2` on fp32: computed in fp64, rounded once to fp32;
+- `ReduceOps.sum` on fp32: summed in fp64, rounded once to fp32.
+- tensor `__index__` (used by `range(0, N, BLOCK)` loops): 3.6.0 calls int() on a shape-(1,) numpy
+  array, which numpy >= 2.3 refuses ("only 0-dimensional arrays can be converted"); the patch takes the
+  single element.
+Everything else the kernels use (fp32 +, -, *, /, max, compares, selects, integer ops, fp16 casts) is already
+IEEE-exact in numpy. With the patch the unmodified GPU kernel (triton_kernels.py) is bit-identical to
+emulated.py. It relies on interpreter internals, so it checks that they are there and that triton is 3.6.0
+(the version pinned in requirements.txt and used on the GPU machines); `active()` says whether it is applied,
+and tests/test_flash_kernel.py has a guard test that fails if casts still truncate.
+
+The library applies it itself (triton_kernels.py) only when TRITON_INTERPRET=1; it never touches GPU runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+PINNED = "3.6.0"
+_state = {"applied": False}
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _f32_to_bf16_rne(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded.astype(np.uint16))
+
+
+def active() -> bool:
+    """Whether `apply()` has patched the interpreter in this process."""
+    return _state["applied"]
+
+
+def apply() -> None:
+    """Patch the interpreter (idempotent). Raises RuntimeError if its internals are not the expected ones."""
+    if _state["applied"]:
+        return
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    builder, reduce_ops = interp.InterpreterBuilder, interp.ReduceOps
+    needed = [
+        (builder, name)
+        for name in ("create_dot", "cast_impl", "create_exp", "create_exp2", "create_log", "create_log2")
+    ] + [(reduce_ops, "sum"), (interp, "_patch_lang_tensor")]
+    missing = [name for owner, name in needed if not hasattr(owner, name)]
+    if missing or not hasattr(interp, "TensorHandle"):
+        raise RuntimeError(
+            f"triton {triton.__version__}'s interpreter lacks {missing or ['TensorHandle']}; the "
+            f"lowprec interpreter patch was written for triton {PINNED} (pip install triton=={PINNED})"
+        )
+    if triton.__version__ != PINNED:
+        warnings.warn(
+            f"lowprec's interpreter patch was verified on triton {PINNED}, this is {triton.__version__}; "
+            "tests/test_flash_kernel.py checks whether it still works",
+            stacklevel=2,
+        )
+    handle = interp.TensorHandle
+    cast_impl, original_sum, patch_tensor = builder.cast_impl, reduce_ops.sum, interp._patch_lang_tensor
+
+    def to_f64(h) -> np.ndarray:
+        data = _bf16_to_f32(h.data) if h.dtype.scalar == tl.bfloat16 else h.data
+        return data.astype(np.float64)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if d.data.dtype != np.float32:
+            raise NotImplementedError("lowprec's interpreter patch supports fp32 dot accumulators only")
+        exact = np.matmul(to_f64(a), to_f64(b)).astype(np.float32)
+        return handle(exact + d.data, d.dtype.scalar)
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return handle(_f32_to_bf16_rne(src.data), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    def in_fp64(fn, original):
+        def op(self, arg):
+            if arg.data.dtype == np.float32:
+                return handle(fn(arg.data.astype(np.float64)).astype(np.float32), arg.dtype.scalar)
+            return original(self, arg)
+
+        return op
+
+    def reduce_sum(self, input):
+        data = input.handle.data
+        if data.dtype != np.float32:
+            return original_sum(self, input)
+        total = np.sum(data.astype(np.float64), axis=self.axis, keepdims=self.keep_dims).astype(np.float32)
+        return self.to_tensor(total, input.dtype)
+
+    def patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_lang_tensor
+    builder.create_dot = create_dot
+    builder.cast_impl = cast
+    for name, fn in (
+        ("create_exp", np.exp),
+        ("create_exp2", np.exp2),
+        ("create_log", np.log),
+        ("create_log2", np.log2),
+    ):
+        setattr(builder, name, in_fp64(fn, getattr(builder, name)))
+    reduce_ops.sum = reduce_sum
+    _state["applied"] = True

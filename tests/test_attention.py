@@ -1,0 +1,256 @@
+"""lowprec.attention without Triton: dispatch, reference, Precision, Fix and the emulator (CPU, a few
+seconds)."""
+
+import math
+
+import pytest
+import torch
+from lowprec.attention import (
+    Fix,
+    Precision,
+    Rounding,
+    attention,
+    emulated_attention,
+    math_attention,
+    reference_attention,
+)
+from lowprec.attention.inputs import tied_qkv
+from lowprec.attention.precision import FixParams, fix_shift, one_threshold
+from lowprec.formats import FORMATS, round_to
+
+FLOOR = 1e-4  # absolute slack added to FlashAttention's "at most twice plain attention's error" rule
+
+
+def rand_qkv(shape, dtype=torch.bfloat16, seed=0, n=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(n)]
+
+
+def forward_backward(fn, q, k, v, do):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = fn(*leaves)
+    return (o, *torch.autograd.grad(o, leaves, do.to(o.dtype)))
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def test_backends_agree_in_fp32():
+    q, k, v = rand_qkv((2, 3, 70, 32), torch.float32)
+    for causal in (True, False):
+        ref = reference_attention(q, k, v, causal)[0]
+        for backend in ("reference", "math", "sdpa", "emulated"):
+            assert max_err(attention(q, k, v, backend=backend, causal=causal), ref) < 2e-6, backend
+        out = attention(q, k, v, backend="sdpa", causal=causal, sdpa_backend="math")
+        assert max_err(out, ref) < 2e-6
+
+
+def test_reference_lse_and_math_dtype():
+    q, k, v = rand_qkv((1, 2, 9, 16))
+    o, lse = reference_attention(q, k, v)
+    assert o.dtype == lse.dtype == torch.float64 and lse.shape == (1, 2, 9)
+    assert torch.allclose(lse[..., 0], (q[..., 0, :].double() * k[..., 0, :].double()).sum(-1) / 4)
+    assert math_attention(q, k, v).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "n,causal,dtype",
+    [
+        (200, True, torch.bfloat16),
+        (77, True, torch.bfloat16),
+        (200, False, torch.bfloat16),
+        (130, True, torch.float16),
+    ],
+)
+def test_emulator_within_flash_attention_rule(n, causal, dtype):
+    q, k, v, do = rand_qkv((2, 3, n, 64), dtype, seed=n, n=4)
+    emu = forward_backward(lambda *t: emulated_attention(*t, causal=causal), q, k, v, do)
+    plain = forward_backward(lambda *t: math_attention(*t, causal=causal), q, k, v, do)
+    ref = forward_backward(lambda *t: reference_attention(*t, causal)[0], q, k, v, do)
+    for name, a, m, r in zip(("o", "dq", "dk", "dv"), emu, plain, ref, strict=True):
+        assert max_err(a, r) <= 2 * max_err(m, r) + FLOOR, name
+
+
+@pytest.mark.parametrize("kind", ["ties+", "ties-", "near", "same_sign_v", "huge"])
+def test_fix_is_exact_up_to_rounding(kind):
+    """In fp32 the fix changes only the softmax shift: outputs and gradients agree to fp32 rounding."""
+    kw = {
+        "ties+": {},
+        "ties-": {"max_score": -4.0},
+        "near": {"spacing": 2.0**-11},
+        "same_sign_v": {"v_mean": -1.5, "v_std": 0.5},
+        "huge": {"max_score": 60.0},
+    }[kind]
+    q, k, v = tied_qkv((1, 2, 150, 32), dtype=torch.float32, **kw)
+    do = rand_qkv((1, 2, 150, 32), torch.float32, n=1)[0]
+    off = forward_backward(lambda *t: emulated_attention(*t, precision="fp32"), q, k, v, do)
+    for fix in (Fix(), Fix(beta=7.0), Fix(tie="row"), Fix(variant="closed")):
+        on = forward_backward(lambda *t, f=fix: emulated_attention(*t, precision="fp32", fix=f), q, k, v, do)
+        for a, b in zip(on, off, strict=True):
+            assert max_err(a, b) <= 1e-5 * (1 + b.abs().max().item()), fix
+
+
+def test_fix_no_nan_for_huge_logits():
+    """Scores up to 1e4 with beta = 7: exp(-(beta-1) r) would underflow; the guard falls back and counts
+    it."""
+    for max_score in (1e4, -1e4, 3e3):
+        q, k, v = tied_qkv((1, 2, 96, 32), max_score=max_score, gap=50.0)
+        do = rand_qkv((1, 2, 96, 32), n=1)[0]
+        fix = Fix(beta=7.0)
+        (*grads,) = forward_backward(lambda *t, f=fix: emulated_attention(*t, fix=f), q, k, v, do)
+        assert all(g.isfinite().all() for g in grads)
+        ref = forward_backward(lambda *t: reference_attention(*t)[0], q, k, v, do)
+        assert max_err(grads[0], ref[0]) < 0.02
+        stats = emulated_attention(q, k, v, fix=fix, return_stats=True)[1].totals()
+        assert stats["fallbacks"] > 0 and stats["rows_triggered"] > 0
+
+
+def triggered_rows_ones(precision="fa2", **tie_kw):
+    q, k, v = tied_qkv((1, 2, 64, 32), **tie_kw)  # one 64-wide tile: a row's tile is the whole row
+    stats = {}
+    for name, fix in (("off", None), ("published", Fix()), ("closed", Fix(variant="closed"))):
+        s = emulated_attention(q, k, v, fix=fix, precision=precision, return_stats=True)[1]
+        triggered = s.fix_triggers > 0
+        stats[name] = (int(triggered.sum()), int(s.pbar_ones[triggered].sum()), s)
+    return stats
+
+
+@pytest.mark.parametrize(
+    "tie_kw",
+    [{}, {"max_score": -4.0}, {"spacing": 2.0**-11}, {"max_score": 0.5, "noise": 0.1}, {"v_mean": -1.5}],
+)
+def test_fix_leaves_no_pbar_one_in_triggered_rows(tie_kw):
+    stats = triggered_rows_ones(**tie_kw)
+    n_triggered, ones, s = stats["published"]
+    assert n_triggered > 0 and ones == 0
+    assert int(s.near_tie_tiles.sum()) == n_triggered
+    # without the fix those rows hold at least two P̄ == 1 entries each
+    off = stats["off"][2]
+    assert (off.pbar_ones[s.fix_triggers > 0] >= 2).all()
+
+
+@pytest.mark.parametrize("max_score", [0.0, 2.0**-11, -(2.0**-11)])
+def test_published_edge_and_closed_variant(max_score):
+    """r == 0 or |r| below one_threshold/(beta-1): the published rule keeps P̄ == 1.0; the closed variant
+    does not."""
+    stats = triggered_rows_ones(max_score=max_score, noise=0.0)
+    n_pub, ones_pub, _ = stats["published"]
+    n_closed, ones_closed, _ = stats["closed"]
+    assert n_pub == n_closed > 0
+    assert ones_pub >= 2 * n_pub  # every tied entry still rounds to exactly 1.0
+    assert ones_closed == 0
+
+
+def test_default_tol_is_where_pbar_rounds_to_one():
+    bf16 = FORMATS["bf16"]
+    g = one_threshold(bf16)
+    assert g == pytest.approx(-math.log1p(-(2.0**-9)))
+    below, above = torch.tensor([math.exp(-g * 0.999)]), torch.tensor([math.exp(-g * 1.001)])
+    assert round_to(below, bf16).item() == 1.0 and round_to(above, bf16).item() < 1.0
+    assert Fix().resolve(bf16).tol == pytest.approx(g, rel=1e-6)
+    # a near tie 1.5e-3 below the max: caught by the default tol, missed by the paper's 1e-3, yet P̄ rounds
+    # to 1
+    q, k, v = tied_qkv((1, 1, 64, 32), ties=2, spacing=1.5e-3, noise=0.0, dtype=torch.float32)
+    prec = "fa2:weights=bf16"  # fp32 inputs, P̄ rounded to bf16
+    assert (
+        emulated_attention(q, k, v, precision=prec, fix=Fix(), return_stats=True)[1].fix_triggers[0, 0, -1]
+        == 1
+    )
+    paper_tol = emulated_attention(q, k, v, precision=prec, fix=Fix(tol=1e-3), return_stats=True)[1]
+    assert paper_tol.fix_triggers[0, 0, -1] == 0 and paper_tol.pbar_ones[0, 0, -1] == 2
+
+
+def test_whole_row_ties_across_tiles():
+    """Two equal maxima in different tiles: per-tile detection misses them, tie='row' does not."""
+    q, k, v = tied_qkv((1, 1, 128, 32), ties=1, noise=0.0, dtype=torch.float32)
+    k[..., 64, :] = k[..., 0, :]  # the same top key again, in the second tile
+    per_tile = emulated_attention(q, k, v, fix=Fix(), return_stats=True)[1]
+    whole = emulated_attention(q, k, v, fix=Fix(tie="row"), return_stats=True)[1]
+    assert per_tile.fix_triggers[0, 0, 100] == 0 and per_tile.pbar_ones[0, 0, 100] == 2
+    assert whole.fix_triggers[0, 0, 100] == 1 and whole.pbar_ones[0, 0, 100] == 0
+
+
+def test_fix_shift_rule():
+    fp = FixParams(beta=2.0, tol=0.0, min_gap=0.0, max_gap=40.0, whole_row=False)
+    r = torch.tensor([3.0, -3.0, 0.0, 50.0, -60.0, 5.0])
+    ties = torch.tensor([True, True, True, True, True, False])
+    shift, triggered, fallback = fix_shift(r, ties, fp)
+    assert shift.tolist() == [6.0, 0.0, 0.0, 90.0, -20.0, 5.0]
+    assert triggered.tolist() == [True] * 5 + [False]
+    assert fallback.tolist() == [False, False, False, True, True, False]
+    closed = FixParams(2.0, 0.0, 2.0**-7, 40.0, False)
+    assert fix_shift(torch.tensor([0.0]), torch.tensor([True]), closed)[0].item() == 2.0**-7
+
+
+def test_paper_precision_differs_from_fa2():
+    q, k, v = tied_qkv((1, 2, 600, 32), v_mean=-1.5, v_std=0.5)
+    paper = emulated_attention(q, k, v, precision=Precision.paper())
+    fa2 = emulated_attention(q, k, v, precision="fa2")
+    ref = reference_attention(q, k, v)[0]
+    assert not torch.equal(paper, fa2)
+    assert max_err(paper, ref) < 0.05 and max_err(fa2, ref) < 0.05
+    assert Precision.paper().tile == 512
+
+
+def test_stochastic_rounding_is_seeded():
+    q, k, v = rand_qkv((1, 2, 100, 32))
+    prec = "fa2:weights=e8m3@stochastic"
+    runs = [
+        emulated_attention(q, k, v, precision=prec, generator=torch.Generator().manual_seed(s))
+        for s in (1, 1, 2)
+    ]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_delta_variants():
+    q, k, v, do = rand_qkv((1, 2, 100, 32), seed=3, n=4)
+    ref = forward_backward(lambda *t: reference_attention(*t)[0], q, k, v, do)
+    plain = forward_backward(math_attention, q, k, v, do)
+    base = forward_backward(emulated_attention, q, k, v, do)
+    for kw in ({"delta": "dP_P"}, {"o_for_delta": "fp32"}):
+        out = forward_backward(lambda *t, kw=kw: emulated_attention(*t, **kw), q, k, v, do)
+        assert torch.equal(out[0], base[0]) and torch.equal(out[3], base[3])  # o and dv do not use delta
+        assert not torch.equal(out[1], base[1])
+        for a, m, r in zip(out, plain, ref, strict=True):
+            assert max_err(a, r) <= 2 * max_err(m, r) + FLOOR
+
+
+def test_precision_strings():
+    assert repr(Precision.fa2()) == "Precision('fa2')"
+    p = Precision.parse("fa2:weights=e8m3@stochastic,rowsum=bf16")
+    assert p.weights == Rounding("e8m3", "stochastic") and p.rowsum.fmt == FORMATS["bf16"]
+    assert Precision.parse(p.spec) == p
+    assert Precision.parse("paper:tile=none").tile is None
+    assert Precision(weights="fp32") == Precision.fp32()
+    for bad in ("fa3", "fa2:weight=bf16", "fa2:weights=bf17", "fa2:weights=bf16@up", "fa2:tile=4"):
+        with pytest.raises(ValueError):
+            Precision.parse(bad)
+
+
+def test_value_errors():
+    q, k, v = rand_qkv((1, 2, 8, 16))
+    bad_calls = {
+        "rank": lambda: attention(q[0], k[0], v[0]),
+        "shape": lambda: attention(q, k[:, :, :4], v),
+        "dtype": lambda: attention(q, k.float(), v),
+        "device": lambda: attention(q, k.to("meta"), v),
+        "backend": lambda: attention(q, k, v, backend="flash"),
+        "keyword": lambda: attention(q, k, v, backend="math", precision="fa2"),
+        "sdpa_backend": lambda: attention(q, k, v, sdpa_backend="fast"),
+        "beta inf": lambda: Fix(beta=float("inf")),
+        "beta nan": lambda: Fix(beta=float("nan")),
+        "beta 1": lambda: Fix(beta=1.0),
+        "tol": lambda: Fix(tol=-1e-3),
+        "tie": lambda: Fix(tie="block"),
+        "variant": lambda: Fix(variant="open"),
+        "delta": lambda: emulated_attention(q, k, v, delta="dS"),
+        "o_for_delta": lambda: emulated_attention(q, k, v, o_for_delta="bf16"),
+        "stochastic scores": lambda: emulated_attention(q, k, v, precision="fa2:scores=bf16@stochastic"),
+        "fp64 emulated": lambda: emulated_attention(q.double(), k.double(), v.double()),
+        "fix type": lambda: emulated_attention(q, k, v, fix="yes"),
+    }
+    for name, call in bad_calls.items():
+        with pytest.raises(ValueError):
+            call()
+        assert name
