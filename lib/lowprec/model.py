@@ -1,0 +1,276 @@
+"""GPT in the nanoGPT shape, with attention chosen per layer and per head.
+
+Pre-LayerNorm blocks, GELU MLP (4x), learned positions, tied input/output embeddings, optional biases, no
+dropout (the paper trains with dropout 0, and no randomness in the forward keeps resume bit-exact). Init
+N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj) N(0, 0.02/sqrt(2 n_layer)).
+
+Attention is named by a spec string "backend[/key=value/...]" handed to `lowprec.attention.attention`, e.g.
+"sdpa", "sdpa/sdpa_backend=flash", "math", "emulated/precision=paper", "emulated/precision=fa2/fix=2",
+"triton/precision=fa2:weights=e8m3". Values are parsed as int, float, true/false, none, else kept as strings;
+`precision` goes through `Precision.parse` (its own "preset:point=format,..." syntax, hence "/" between our
+options) and `fix` through `as_fix` (a beta, true = Fix(), none/false = off).
+
+Layers and heads are 0-indexed here: the paper's "layer 2" is index 1 and its heads 1, 7, 8, 9, 11, 12 are
+indices 0, 6, 7, 8, 10, 11. The paper's localisation experiments map to:
+- "flash attention only in layer 2":    attention="math", layer_attention={1: "<flash spec>"}
+- "standard attention only in layer 2": attention="<flash spec>", layer_attention={1: "math"}
+- "high-precision O for some heads":    hp_heads={1: [0, 6, 7, 8, 10, 11]} (those heads run the fp32 math path
+  with autocast off; the others the layer's backend; their outputs are concatenated in head order).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lowprec.attention import BACKENDS, attention
+
+# Backends that honour `attn_softcap`: only the model's own math path applies a cap (see `softcap_attention`).
+SOFTCAP_BACKENDS = ("math",)
+# Backends that can return per-row AttentionStats (P̄ == 1 counts, Fix triggers and fallbacks).
+STATS_BACKENDS = ("emulated", "triton")
+
+
+@dataclass
+class GPTConfig:
+    """Model shape and attention choice. Layer and head indices are 0-based (the paper's layer 2 is 1)."""
+
+    vocab_size: int = 50304
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    bias: bool = False
+    attention: str = "sdpa"                                          # spec for every layer
+    layer_attention: dict[int, str] = field(default_factory=dict)    # layer -> spec (replaces the default)
+    hp_heads: dict[int, list[int]] = field(default_factory=dict)     # layer -> heads whose O is fp32
+    qk_layernorm: bool = False                                       # LayerNorm over head_dim on q and k
+    attn_softcap: float = 0.0                                        # s -> c*tanh(s/c) on scores; 0 = off
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        self.layer_attention = {int(k): v for k, v in self.layer_attention.items()}
+        self.hp_heads = {int(k): sorted({int(h) for h in v}) for k, v in self.hp_heads.items()}
+        for what, keys in (("layer_attention", self.layer_attention), ("hp_heads", self.hp_heads)):
+            bad = [k for k in keys if not 0 <= k < self.n_layer]
+            if bad:
+                raise ValueError(f"GPTConfig.{what} has layers {bad}; layers are 0-based in "
+                                 f"[0, {self.n_layer})")
+        for layer, heads in self.hp_heads.items():
+            bad = [h for h in heads if not 0 <= h < self.n_head]
+            if bad:
+                raise ValueError(f"GPTConfig.hp_heads[{layer}] has heads {bad}; heads are 0-based in "
+                                 f"[0, {self.n_head})")
+        if self.attn_softcap < 0:
+            raise ValueError(f"GPTConfig.attn_softcap must be >= 0 (0 = off), got {self.attn_softcap}")
+        for layer in range(self.n_layer):
+            backend, raw = parse_attention(self.layer_spec(layer))
+            attention_kwargs(raw)  # a bad precision or fix fails here, not when the model is built
+            if self.attn_softcap and backend not in SOFTCAP_BACKENDS:
+                raise ValueError(f"attn_softcap={self.attn_softcap} needs attention backend in "
+                                 f"{SOFTCAP_BACKENDS} (layer {layer} uses {backend!r}, which cannot cap)")
+
+    def layer_spec(self, layer: int) -> str:
+        """The attention spec of `layer` (0-based): its override, else the default."""
+        return self.layer_attention.get(layer, self.attention)
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_attention(spec: str) -> tuple[str, dict]:
+    """"backend[/key=value/...]" -> (backend, raw keyword dict); ValueError on a malformed spec."""
+    backend, *items = spec.split("/")
+    if backend not in BACKENDS:
+        raise ValueError(f"attention spec {spec!r}: backend must be one of {BACKENDS}")
+    kw = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"attention spec {spec!r}: options are key=value items separated by '/', "
+                             f"got {item!r}")
+        kw[key.strip()] = _parse_value(value.strip())
+    return backend, kw
+
+
+def attention_kwargs(raw: dict) -> dict:
+    """Turn spec values into what `lowprec.attention.attention` takes (Precision / Fix objects)."""
+    kw = dict(raw)
+    if "precision" in kw:
+        from lowprec.attention.precision import Precision
+        kw["precision"] = Precision.parse(str(kw["precision"]))
+    if "fix" in kw:
+        from lowprec.attention.precision import as_fix
+        kw["fix"] = as_fix(kw["fix"])
+    return kw
+
+
+def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:
+    """Causal attention with soft-capped scores cap*tanh(s/cap), s = q k^T / sqrt(d), in the input dtype."""
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = cap * torch.tanh(s / cap)
+    n = q.shape[2]
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+# Telemetry probe: called as probe(layer, x, q, k, v, y) with the attention input x (B, T, C), the q, k, v
+# that attention saw and its output y (all (B, H, T, D)); y is the tensor used downstream (dO = its grad).
+Probe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_head = layer, config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        head_dim = config.n_embd // config.n_head
+        self.q_ln = nn.LayerNorm(head_dim, bias=config.bias) if config.qk_layernorm else None
+        self.k_ln = nn.LayerNorm(head_dim, bias=config.bias) if config.qk_layernorm else None
+        self.spec = config.layer_spec(layer)
+        self.backend, raw = parse_attention(self.spec)
+        self.attn_kw = attention_kwargs(raw)
+        self.softcap = config.attn_softcap
+        self.hp_heads = config.hp_heads.get(layer, [])
+        self.lp_heads = [h for h in range(config.n_head) if h not in self.hp_heads]
+        order = self.lp_heads + self.hp_heads
+        self.register_buffer("head_order", torch.tensor([order.index(h) for h in range(config.n_head)]),
+                             persistent=False)
+        self.probe: Probe | None = None
+        self.stats = None  # AttentionStats of the low-precision heads, kept while a probe is set (telemetry)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        if self.q_ln is not None:  # autocast runs LayerNorm in fp32: back to v's dtype, as a kernel would get
+            q, k = self.q_ln(q).to(v.dtype), self.k_ln(k).to(v.dtype)
+        y = self.attend(q, k, v)
+        if self.probe is not None:
+            self.probe(self.layer, x, q, k, v, y)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention output (B, H, T, D): the layer's backend, with `hp_heads` through the fp32 path."""
+        if not self.hp_heads:
+            return self.via_backend(q, k, v)
+        lp, hp = self.lp_heads, self.hp_heads
+        with torch.autocast(q.device.type, enabled=False):
+            o_hp = self.via_fp32(q[:, hp].float(), k[:, hp].float(), v[:, hp].float())
+        if not lp:
+            return o_hp
+        o_lp = self.via_backend(q[:, lp], k[:, lp], v[:, lp])
+        return torch.cat([o_lp.to(o_hp.dtype), o_hp], dim=1)[:, self.head_order]
+
+    def via_backend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The layer's attention spec (or the soft-capped math path)."""
+        if self.softcap:
+            return softcap_attention(q, k, v, self.softcap)
+        if self.probe is not None and self.backend in STATS_BACKENDS:
+            o, self.stats = attention(q, k, v, backend=self.backend, causal=True, return_stats=True,
+                                      **self.attn_kw)
+            return o
+        return attention(q, k, v, backend=self.backend, causal=True, **self.attn_kw)
+
+    def via_fp32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """fp32 math attention (q, k, v already fp32, autocast off), soft-capped if the model caps."""
+        if self.softcap:
+            return softcap_attention(q, k, v, self.softcap)
+        return attention(q, k, v, backend="math", causal=True)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for block in self.blocks:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                torch.nn.init.normal_(proj.weight, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab) and, with targets, the mean cross-entropy (computed in fp32)."""
+        T = idx.shape[1]
+        if self.config.block_size < T:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def attention_layers(self) -> list[CausalSelfAttention]:
+        return [block.attn for block in self.blocks]
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters counted once (tied embedding once); without position embeddings by default (nanoGPT)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token: 6 N (N = non-embedding params, incl. the tied lm_head) + 12 L C T for the
+        attention scores and P V (nanoGPT/PaLM convention: full, non-causal T x T)."""
+        c = self.config
+        t = c.block_size if seq_len is None else seq_len
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * t

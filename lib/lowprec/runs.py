@@ -1,0 +1,275 @@
+"""Run records: one folder per training run, written incrementally and read back without torch.
+
+A run folder holds
+- `config.json`: {"config": the full config, "provenance": `provenance()` of the start};
+- `metrics.jsonl`: one object per logged step (step, tokens, loss, lr, grad_norm, time_s, tokens_per_s, and on
+  sampled steps `telemetry`: {name: [[per head] per layer]});
+- `events.jsonl`: one object per event ({"event": kind, "step": ..., ...}: start, resumed, checkpoint,
+  divergence, interrupted, finished, ...);
+- `summary.json`: status ("running", "finished", "diverged" or "interrupted"), explosion step, totals.
+Lines are appended and flushed as they happen, floats rounded to `SIGNIFICANT` digits, so a run killed at any
+moment leaves a readable record. This module must not import torch (the book loads records fast); `provenance`
+asks torch for versions only if the caller already imported it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SIGNIFICANT = 5
+STATUSES = ("running", "finished", "diverged", "interrupted")
+METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "time_s")
+FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class RunRecordError(ValueError):
+    """A run folder is missing a file, or a file is corrupt or truncated (the message names file and line)."""
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def provenance(command: list[str] | None = None) -> dict:
+    """Where a result came from: git commit and dirty flag (tracked files), versions, device, command, time.
+
+    Where the tree has no git history (a copy on the GPU machine), the commit and dirty flag come from the
+    environment variables LOWPREC_GIT_COMMIT and LOWPREC_GIT_DIRTY set by whoever launched the run.
+
+    torch's CUDA version and the device name are filled in only when torch is already imported (this module
+    never imports it). `command` defaults to sys.argv.
+    """
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    commit = _git("rev-parse", "HEAD")
+    dirty = None if status is None or commit is None else bool(status)
+    if commit is None and os.environ.get("LOWPREC_GIT_COMMIT"):
+        # A copy of the tree without its history (the GPU machine): the launcher passes the commit on.
+        commit = os.environ["LOWPREC_GIT_COMMIT"]
+        dirty = os.environ.get("LOWPREC_GIT_DIRTY", "").lower() in ("1", "true", "yes")
+    prov = {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "cuda": None,
+        "device": platform.processor() or platform.machine(),
+        "host": platform.node(),
+        "command": list(sys.argv if command is None else command),
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        prov["torch"] = torch.__version__
+        prov["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            prov["device"] = torch.cuda.get_device_name()
+            prov["device_count"] = torch.cuda.device_count()
+    return prov
+
+
+def round_floats(obj: Any, digits: int = SIGNIFICANT) -> Any:
+    """`obj` with every float rounded to `digits` significant digits (nested dicts, lists and tuples)."""
+    if isinstance(obj, float):
+        return obj if not math.isfinite(obj) or obj == 0 else float(f"{obj:.{digits}g}")
+    if isinstance(obj, dict):
+        return {k: round_floats(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [round_floats(v, digits) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """Write `obj` as indented JSON atomically (temp file + rename), floats rounded."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(round_floats(obj), indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class RunWriter:
+    """Writes one run folder. `resume=True` continues an existing record (see `truncate_after`)."""
+
+    def __init__(self, run_dir: str | Path, config: dict, command: list[str] | None = None,
+                 resume: bool = False):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            if not (self.dir / "config.json").exists():
+                raise RunRecordError(f"cannot resume: {self.dir / 'config.json'} does not exist")
+            record = _read_json(self.dir / "config.json")
+            record["config"] = config
+            write_json(self.dir / "config.json", record)
+        else:
+            if (self.dir / "metrics.jsonl").exists():
+                raise ValueError(f"run_dir {self.dir} already holds a run: pass resume=True (--resume) or "
+                                 "a new --out folder")
+            write_json(self.dir / "config.json", {"config": config, "provenance": provenance(command)})
+            for name in ("metrics.jsonl", "events.jsonl"):
+                (self.dir / name).write_text("")
+        self.summary: dict = _read_json(self.dir / "summary.json") if resume else {}
+        self.update_summary(status="running")
+        self._metrics = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self._events = open(self.dir / "events.jsonl", "a")  # noqa: SIM115
+
+    def log(self, record: dict) -> None:
+        """Append one metrics object (must hold METRIC_KEYS)."""
+        missing = [k for k in METRIC_KEYS if k not in record]
+        if missing:
+            raise ValueError(f"metrics record lacks {missing}; every record needs {list(METRIC_KEYS)}")
+        self._append(self._metrics, record)
+
+    def event(self, event: str, step: int | None, **fields: Any) -> None:
+        """Append one event object {"event", "step", "time", **fields}."""
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self._append(self._events, {"event": event, "step": step, "time": now, **fields})
+
+    def update_summary(self, **fields: Any) -> None:
+        """Merge `fields` into summary.json (rewritten atomically)."""
+        self.summary.update(fields)
+        if self.summary.get("status") not in STATUSES:
+            raise ValueError(f"summary status must be one of {STATUSES}, got {self.summary.get('status')!r}")
+        write_json(self.dir / "summary.json", self.summary)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop metrics with step > `step` (a resumed run recomputes them), and a last line cut off by a
+        crash; events are kept."""
+        self._metrics.close()
+        path = self.dir / "metrics.jsonl"
+        lines = path.read_text().splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):
+            lines.pop()
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        self._metrics = open(path, "a")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._events.close()
+
+    @staticmethod
+    def _append(handle, obj: dict) -> None:
+        handle.write(json.dumps(round_floats(obj), separators=(",", ":")) + "\n")
+        handle.flush()
+
+
+# ---- reading ----
+
+@dataclass
+class Run:
+    """A loaded run folder."""
+
+    path: Path
+    config: dict
+    provenance: dict
+    metrics: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+
+    def series(self, key: str) -> tuple[list[int], list]:
+        """(steps, values) of a top-level metric over the records that have it."""
+        rows = [m for m in self.metrics if key in m]
+        return [m["step"] for m in rows], [m[key] for m in rows]
+
+    def telemetry(self, name: str) -> tuple[list[int], list[list[list[float]]]]:
+        """(steps, values[sample][layer][head]) of one telemetry signal, e.g. "wq_norm" or "delta_error"."""
+        rows = [m for m in self.metrics if name in m.get("telemetry", {})]
+        return [m["step"] for m in rows], [m["telemetry"][name] for m in rows]
+
+    def events_of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        raise RunRecordError(f"{path} is missing")
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise RunRecordError(f"{path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise RunRecordError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
+    if not path.exists():
+        raise RunRecordError(f"{path} is missing")
+    text = path.read_text()
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            last = number == len(text.splitlines()) and not text.endswith("\n")
+            what = "truncated (the writer stopped mid-line)" if last else f"corrupt ({exc.msg})"
+            raise RunRecordError(f"{path}:{number}: {what}") from None
+        if not isinstance(obj, dict):
+            raise RunRecordError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise RunRecordError(f"{path}:{number}: missing keys {missing}")
+        rows.append(obj)
+    return rows
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Load and validate a run folder; raises RunRecordError naming the bad file (and line)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise RunRecordError(f"run folder {path} does not exist")
+    record = _read_json(path / "config.json")
+    for key in ("config", "provenance"):
+        if key not in record:
+            raise RunRecordError(f"{path / 'config.json'}: missing key {key!r}")
+    metrics = _read_jsonl(path / "metrics.jsonl", METRIC_KEYS)
+    for number, (prev, cur) in enumerate(zip(metrics, metrics[1:], strict=False), start=2):
+        if cur["step"] <= prev["step"]:
+            raise RunRecordError(f"{path / 'metrics.jsonl'}: record {number} has step {cur['step']} after "
+                                 f"step {prev['step']} (steps must increase)")
+    events = _read_jsonl(path / "events.jsonl", ("event", "step"))
+    summary = _read_json(path / "summary.json")
+    if summary.get("status") not in STATUSES:
+        raise RunRecordError(f"{path / 'summary.json'}: status must be one of {STATUSES}, "
+                             f"got {summary.get('status')!r}")
+    return Run(path, record["config"], record["provenance"], metrics, events, summary)
+
+
+def list_runs(root: str | Path) -> list[dict]:
+    """Every run folder under `root` (any depth, sorted by path) as {"path", **summary}; metrics not read."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"root {root} is not a folder")
+    runs = []
+    for config in sorted(root.rglob("config.json")):
+        summary_path = config.parent / "summary.json"
+        if (config.parent / "metrics.jsonl").exists():
+            summary = _read_json(summary_path) if summary_path.exists() else {}
+            runs.append({"path": str(config.parent), **summary})
+    return runs

@@ -1,0 +1,485 @@
+"""`lowprec train --config NAME --out DIR [--set key=value ...] [--resume]`: train a GPT and record the run.
+
+nanoGPT's loop with the paper's recipe: AdamW (decay on 2-D weights only), linear warmup then cosine to
+min_lr, global-norm clipping, bf16 autocast on CUDA (fp32 master weights; TF32 off unless allow_tf32),
+optional torch.compile (default: on for CUDA, off for CPU), DDP under torchrun (`torchrun --standalone
+--nproc_per_node=N -m lowprec.cli train ...`; gloo on CPU, NCCL on CUDA). CPU runs default to fp32 (smoke-cpu
+sets dtype=float32): bf16 autocast on CPU is slow and adds nothing a test needs; set dtype=bfloat16 to get it.
+
+Determinism: the model is initialised from `seed`; the batch of micro-step i of step s is
+`lowprec.data.sample_batch(seed, s * A + i)` (A = micro-steps per process), a pure function of (seed, step);
+there is no dropout. A checkpoint therefore only needs model, optimizer, RNG states, telemetry state, the
+divergence monitor and the step: a run killed and resumed reproduces the uninterrupted loss curve bit for bit
+on CPU.
+
+Validation loss (eval_interval) is the mean over a fixed set of validation windows, so its curve is smooth
+and comparable across runs of one seed. Host syncs happen only when metrics are flushed (every log_interval
+steps, at checkpoints, at the end and on a stop request), on evaluation and on telemetry steps.
+
+Divergence (a NaN/Inf loss, or after warmup a loss above diverge_factor times its minimum since warmup) is
+checked at each flush for every step since the previous one; the run stops, records the offending step and
+its batch (seed, data steps, window starts) and keeps the last checkpoint, which is only ever written after a
+clean check. Ctrl-C / SIGTERM finish the current step, write a checkpoint and mark the run "interrupted" (a
+second Ctrl-C aborts at once, still keeping the last checkpoint). Under DDP the stop request is agreed at the
+next flush. Checkpoints go to <out>/checkpoint (or ckpt_dir), with a .gitignore, and never into the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from lowprec import data as lpdata
+from lowprec.configs import CONFIGS, TrainConfig, apply_overrides, get_config
+from lowprec.model import GPT
+from lowprec.runs import RunWriter, provenance
+from lowprec.telemetry import Telemetry
+
+CHECKPOINT = "ckpt.pt"
+EXIT_CODES = {"finished": 0, "diverged": 1, "interrupted": 130}
+
+
+# ---- pieces ----
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(cfg: TrainConfig) -> tuple[Dist, torch.device]:
+    """This process's rank and device; joins the process group that torchrun (or a test) describes in
+    RANK / WORLD_SIZE / LOCAL_RANK (NCCL on CUDA, gloo on CPU). A single process needs no group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))) if world > 1 else Dist()
+    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {cfg.device!r}")
+    device = torch.device("cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available; use --set device=cpu")
+        torch.cuda.set_device(d.local_rank)
+        device = torch.device("cuda", d.local_rank)
+    if d.enabled and not dist.is_initialized():
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=d.rank, world_size=world)
+    return d, device
+
+
+def load_tokens(spec: str) -> lpdata.TokenData:
+    """"sample:bytes" / "sample:gpt2" (the committed sample), "" (the default prepared dir) or a folder."""
+    if spec.startswith("sample:"):
+        return lpdata.sample_data(tokenizer=spec.removeprefix("sample:"))
+    return lpdata.TokenData(spec or None)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """nanoGPT's schedule: warmup lr*(step+1)/(warmup+1), cosine to min_lr at lr_decay_iters, then flat."""
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if step < cfg.warmup_iters:
+        return cfg.lr * (step + 1) / (cfg.warmup_iters + 1)
+    if step >= decay_iters:
+        return cfg.min_lr
+    ratio = (step - cfg.warmup_iters) / max(decay_iters - cfg.warmup_iters, 1)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, weight decay on parameters of dim >= 2 (matrices and embeddings), none on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=device.type == "cuda")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj: dict, path: Path) -> None:
+    """torch.save to a temp file in the same folder, then rename: a crash never leaves a half checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class StopRequest:
+    """Turns the first SIGINT / SIGTERM into a flag checked between steps (a second SIGINT raises at once)."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+# ---- the trainer ----
+
+class Trainer:
+    """One run: build everything (or restore it from the checkpoint), then `run()` the loop."""
+
+    def __init__(self, cfg: TrainConfig, out: str | Path, resume: bool = False,
+                 command: list[str] | None = None, callback: Callable[[int, dict], None] | None = None):
+        self.cfg, self.out, self.callback = cfg, Path(out), callback
+        self.dist, self.device = setup_distributed(cfg)
+        if cfg.grad_accum % self.dist.world_size:
+            raise ValueError(f"grad_accum ({cfg.grad_accum}) must be divisible by the number of processes "
+                             f"({self.dist.world_size})")
+        self.micro_steps = cfg.grad_accum // self.dist.world_size
+        if self.dist.enabled and not self.dist.main:
+            dist.barrier()  # rank 0 builds any missing data cache first
+        self.data = load_tokens(cfg.data)
+        if self.dist.enabled and self.dist.main:
+            dist.barrier()
+        if cfg.model.vocab_size < self.data.vocab_size:
+            raise ValueError(f"vocab_size {cfg.model.vocab_size} is smaller than the data's vocabulary "
+                             f"({self.data.vocab_size}, {self.data.path})")
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
+            torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        self.model = GPT(cfg.model).to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg, self.device)
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+                         else contextlib.nullcontext())
+        self.telemetry = (Telemetry(self.model, cfg.telemetry_power_iters)
+                          if cfg.telemetry_interval and self.dist.main else None)
+        self.ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else self.out / "checkpoint"
+        self.start_step, self.running_min, self.elapsed = 0, math.inf, 0.0
+        if resume:
+            self._restore()
+        use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        self.writer = RunWriter(self.out, cfg.to_dict(), command, resume=resume) if self.dist.main else None
+        if self.writer is not None:
+            if resume:
+                self.writer.truncate_after(self.start_step - 1)
+                self.writer.event("resumed", self.start_step, provenance=provenance(command))
+            else:
+                self.writer.event("start", 0, data=str(self.data.path), world_size=self.dist.world_size,
+                                  params=self.model.num_params(), tokens_per_step=cfg.tokens_per_step,
+                                  device=str(self.device), compile=use_compile)
+        self.forward: torch.nn.Module = torch.compile(self.model) if use_compile else self.model
+        self.ddp = None
+        if self.dist.enabled:  # compile first, then DDP (as nanoGPT)
+            self.ddp = self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.forward, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)  # the only buffers are constants (head_order)
+        self.pending: list[dict] = []
+
+    # -- checkpoints --
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.ckpt_dir / CHECKPOINT
+
+    def _restore(self) -> None:
+        if not self.ckpt_path.exists():
+            raise ValueError(f"cannot resume: no checkpoint at {self.ckpt_path}")
+        ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"])
+        if self.telemetry is not None and ckpt["telemetry"] is not None:
+            self.telemetry.load_state_dict(ckpt["telemetry"])
+        self.start_step, self.running_min, self.elapsed = ckpt["step"], ckpt["running_min"], ckpt["elapsed"]
+
+    def _checkpoint(self, next_step: int) -> None:
+        """Save everything needed to continue at `next_step` (rank 0 writes; the file is shared)."""
+        if self.cfg.ckpt_interval == -1:
+            return
+        if self.dist.main:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            (self.ckpt_dir / ".gitignore").write_text("*\n")
+            save_atomic({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                         "rng": rng_state(), "step": next_step, "running_min": self.running_min,
+                         "elapsed": self.elapsed + time.perf_counter() - self.t_start,
+                         "telemetry": None if self.telemetry is None else self.telemetry.state_dict(),
+                         "config": self.cfg.to_dict()}, self.ckpt_path)
+            self.writer.event("checkpoint", next_step, path=str(self.ckpt_path))
+        if self.dist.enabled:
+            dist.barrier()
+
+    # -- the loop --
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return lpdata.sample_batch(self.data.train, self.cfg.seed, step * self.micro_steps + micro,
+                                   self.cfg.batch_size, self.cfg.model.block_size, self.dist.rank,
+                                   self.dist.world_size, self.device)
+
+    @torch.no_grad()
+    def evaluate(self) -> torch.Tensor:
+        """Mean loss over the fixed validation windows (micro-batches 0..eval_batches-1 of the val split under
+        the run's seed; each process takes its rows), averaged over processes."""
+        cfg = self.cfg
+        total = torch.zeros((), device=self.device)
+        for i in range(cfg.eval_batches):
+            x, y = lpdata.sample_batch(self.data.val, cfg.seed, i, cfg.batch_size, cfg.model.block_size,
+                                       self.dist.rank, self.dist.world_size, self.device)
+            with self.autocast:
+                total += self.forward(x, y)[1].float()
+        if self.dist.enabled:
+            dist.all_reduce(total)
+        return total / (cfg.eval_batches * self.dist.world_size)
+
+    def train_step(self, step: int) -> dict:
+        cfg = self.cfg
+        lr = lr_at(cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        entry: dict = {"step": step, "lr": lr}
+        if self.telemetry is not None and step % cfg.telemetry_interval == 0:
+            x, y = self.batch(step, 0)
+            self._sync()
+            t0 = time.perf_counter()
+            entry["telemetry"] = self.telemetry.measure(x[: cfg.telemetry_seqs], y[: cfg.telemetry_seqs],
+                                                        self.autocast)
+            entry["telemetry_s"] = time.perf_counter() - t0
+            fallbacks = [sum(v or 0 for v in row) for row in entry["telemetry"].get("fix_fallbacks", [])]
+            if any(fallbacks) and self.writer is not None:
+                self.writer.event("fix_fallback", step, per_layer=fallbacks,
+                                  note="Fix max_gap guard capped the shift (sampled sequences only)")
+        if cfg.eval_interval and step % cfg.eval_interval == 0:
+            entry["val_loss"] = self.evaluate()
+        if step == cfg.debug_nan_step:
+            with torch.no_grad():
+                self.model.blocks[0].attn.c_attn.weight[0, 0] = float("nan")
+            if self.writer is not None:
+                self.writer.event("debug_nan_injected", step, weight="blocks.0.attn.c_attn.weight[0, 0]")
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.micro_steps):
+            x, y = self.batch(step, micro)
+            last = micro == self.micro_steps - 1
+            sync_ctx = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            with sync_ctx:
+                with self.autocast:
+                    _, loss = self.forward(x, y)
+                (loss / self.micro_steps).backward()
+            loss_sum += loss.detach()
+        clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        entry["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        entry["loss"] = loss_sum / self.micro_steps
+        return entry
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def flush(self, stop: bool) -> tuple[str | None, bool]:
+        """Sync the pending steps: check divergence, log metrics. Returns (divergence reason or None, stop)
+        where stop is agreed by all processes."""
+        cfg = self.cfg
+        packed = torch.cat([torch.stack([e["loss"] for e in self.pending]).float(),
+                            torch.stack([e["grad_norm"] for e in self.pending]).float(),
+                            torch.tensor([float(stop)], device=self.device)])
+        if self.dist.enabled:
+            dist.all_reduce(packed)
+            packed[:-1] /= self.dist.world_size
+        values = packed.tolist()
+        n = len(self.pending)
+        now = time.perf_counter()
+        interval_s, self.t_flush = now - self.t_flush, now
+        tokens_per_s = n * cfg.tokens_per_step / max(interval_s, 1e-9)
+        reason = None
+        for entry, loss, norm in zip(self.pending, values[:n], values[n:2 * n], strict=True):
+            step = entry["step"]
+            if not math.isfinite(loss):
+                reason = f"non-finite loss ({loss})"
+            elif (step >= cfg.warmup_iters and cfg.diverge_factor and math.isfinite(self.running_min)
+                  and loss > cfg.diverge_factor * self.running_min):
+                reason = (f"loss {loss:.4g} > {cfg.diverge_factor:g} x its minimum since warmup "
+                          f"({self.running_min:.4g})")
+            if step >= cfg.warmup_iters and reason is None:
+                self.running_min = min(self.running_min, loss)
+            self.last_loss = loss
+            logged = reason or step % cfg.log_interval == 0 or step == cfg.max_iters - 1
+            if self.writer is not None and logged:
+                record = {"step": step, "tokens": (step + 1) * cfg.tokens_per_step, "loss": loss,
+                          "lr": entry["lr"], "grad_norm": norm, "time_s": self.elapsed + now - self.t_start,
+                          "tokens_per_s": tokens_per_s}
+                if "val_loss" in entry:
+                    record["val_loss"] = entry["val_loss"].item()
+                if "telemetry" in entry:
+                    record["telemetry_s"] = entry["telemetry_s"]
+                    record["telemetry"] = entry["telemetry"]
+                self.writer.log(record)
+            if reason:
+                self._record_divergence(step, loss, reason)
+                break
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{values[n - 1]:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+        self.pending = []
+        return reason, values[-1] > 0
+
+    def _record_divergence(self, step: int, loss: float, reason: str) -> None:
+        cfg = self.cfg
+        self.diverged_step = step
+        if self.writer is None:
+            return
+        world_rows = cfg.batch_size * self.dist.world_size
+        data_steps = [step * self.micro_steps + i for i in range(self.micro_steps)]
+        n_tokens = len(self.data.train)
+        starts = [lpdata.batch_indices(cfg.seed, s, n_tokens, world_rows, cfg.model.block_size).tolist()
+                  for s in data_steps]
+        self.writer.event("divergence", step, loss=loss, reason=reason, running_min=self.running_min,
+                          batch={"seed": cfg.seed, "data_steps": data_steps, "rows": world_rows,
+                                 "block_size": cfg.model.block_size, "starts": starts},
+                          checkpoint=str(self.ckpt_path) if self.ckpt_path.exists() else None)
+
+    def run(self) -> dict:
+        """Train from start_step to max_iters (or until divergence / a stop request); returns the summary."""
+        cfg = self.cfg
+        self.t_start = self.t_flush = time.perf_counter()
+        self.diverged_step, self.last_loss = None, None
+        self.bar = (tqdm(total=cfg.max_iters, initial=self.start_step, unit="step", dynamic_ncols=True)
+                    if cfg.progress and self.dist.main else None)
+        self.completed, status = self.start_step, "finished"
+        if self.start_step >= cfg.max_iters and self.writer is not None:
+            self.writer.event("nothing_to_do", self.start_step, max_iters=cfg.max_iters)
+        try:
+            with StopRequest() as stop:
+                for step in range(self.start_step, cfg.max_iters):
+                    entry = self.train_step(step)
+                    self.pending.append(entry)
+                    self.completed = next_step = step + 1
+                    if self.callback is not None:
+                        self.callback(step, entry)
+                    if self.bar is not None:
+                        self.bar.update()
+                    due_ckpt = cfg.ckpt_interval > 0 and next_step % cfg.ckpt_interval == 0
+                    local_stop = stop.requested and not self.dist.enabled
+                    if step % cfg.log_interval == 0 or due_ckpt or next_step == cfg.max_iters or local_stop:
+                        reason, stop_all = self.flush(stop.requested)
+                        if reason:
+                            status = "diverged"
+                            break
+                        if stop_all:
+                            self._checkpoint(next_step)
+                            status = "interrupted"
+                            break
+                        if due_ckpt or next_step == cfg.max_iters:
+                            self._checkpoint(next_step)
+        except KeyboardInterrupt:
+            status = "interrupted"
+            if self.writer is not None:
+                self.writer.event("aborted", self.completed,
+                                  note="second interrupt: no new checkpoint, the last one is kept")
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        return self._finish(status)
+
+    def _finish(self, status: str) -> dict:
+        cfg = self.cfg
+        done = self.diverged_step if status == "diverged" else self.completed
+        summary = {"status": status, "steps": done, "tokens": done * cfg.tokens_per_step,
+                   "time_s": self.elapsed + time.perf_counter() - self.t_start,
+                   "explosion_step": self.diverged_step, "final_loss": self.last_loss,
+                   "min_loss_after_warmup": self.running_min if math.isfinite(self.running_min) else None}
+        if self.writer is not None:
+            self.writer.event(status, done)
+            self.writer.update_summary(**summary)
+            self.writer.close()
+        if self.dist.enabled:
+            dist.barrier()
+        return summary
+
+
+def train(cfg: TrainConfig, out: str | Path, resume: bool = False, command: list[str] | None = None,
+          callback: Callable[[int, dict], None] | None = None) -> dict:
+    """Train `cfg`, recording into `out`. `callback(step, entry)` runs after every step (tests, benchmarks);
+    entry holds "loss" and "grad_norm" as device tensors (reading them syncs), "lr" and any "telemetry"."""
+    return Trainer(cfg, out, resume, command, callback).run()
+
+
+def read_config(out: str | Path) -> TrainConfig:
+    """The TrainConfig recorded in a run folder's config.json."""
+    path = Path(out) / "config.json"
+    if not path.exists():
+        raise ValueError(f"--resume: {path} does not exist (is --out the folder of an earlier run?)")
+    return TrainConfig.from_dict(json.loads(path.read_text())["config"])
+
+
+# ---- CLI ----
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", choices=sorted(CONFIGS), help="named config (lowprec.configs)")
+    parser.add_argument("--out", required=True, help="run folder (records; checkpoints in <out>/checkpoint)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override a config field (repeatable): --set max_iters=200 --set attention=math")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.resume:
+            cfg = apply_overrides(read_config(args.out), args.overrides)
+            if args.config and args.config != cfg.name:
+                raise ValueError(f"--config {args.config} differs from the recorded config {cfg.name!r}; "
+                                 "omit --config when resuming")
+        elif args.config:
+            cfg = get_config(args.config, args.overrides)
+        else:
+            raise ValueError(f"--config is required (one of {sorted(CONFIGS)}) unless --resume")
+        summary = train(cfg, args.out, resume=args.resume)
+    except ValueError as exc:
+        print(f"lowprec train: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(summary))
+    return EXIT_CODES[summary["status"]]
