@@ -1,0 +1,144 @@
+"""Signed bias of the emulated flash-attention forward on adversarial rows (lowprec.attention.bias).
+
+Each measurement uses 20,480 seeded rows (320 heads x 64 queries); t-statistics count rows, so |t| > 10 is a
+bias far beyond chance and |t| < 5 is indistinguishable from none at this size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import pytest
+import torch
+from lowprec.attention.bias import (
+    CASES,
+    NEAR_WINDOW,
+    SEQ,
+    BiasResult,
+    Case,
+    ErrorStats,
+    adversarial_inputs,
+    bias_table,
+    format_table,
+    measure_bias,
+)
+from lowprec.attention.emulated import emulated_attention
+from lowprec.attention.precision import Fix, Precision, Rounding
+
+ROWS = 20_480
+
+
+def emulated(precision: Precision | str = "fa2", fix: Fix | None = None, seed: int | None = None):
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return functools.partial(emulated_attention, causal=False, precision=precision, fix=fix, generator=gen)
+
+
+def truncating_fa2() -> Precision:
+    """fa2 with P̄ rounded toward zero (what an unpatched Triton interpreter does to every bf16 cast)."""
+    weights = Rounding("bf16")
+    # workaround: precision.ROUNDING_MODES lacks "toward_zero" although lowprec.formats.round_to supports it
+    object.__setattr__(weights, "mode", "toward_zero")
+    return Precision(weights=weights, output="input")
+
+
+def scores_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The fp32 scores a kernel sees: fp32 dot of the bf16 inputs (exact here), times the fp32 scale."""
+    scale = float(torch.tensor(1 / math.sqrt(q.shape[-1])))
+    return (q.double() @ k.double().transpose(-1, -2)).float() * scale
+
+
+def test_inputs_have_the_case_structure():
+    for name, ties in (("unique", 1), ("exact-k4", 4), ("exact-k8", 8)):
+        q, k, v, do = adversarial_inputs(CASES[name], rows=1000, seed=3)
+        assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and do.dtype == torch.float32
+        assert q.shape == (1, 16, SEQ, 2 * SEQ)
+        s = scores_of(q, k)
+        top = s.amax(-1, keepdim=True)
+        assert ((s == top).sum(-1) == ties).all(), name  # exact ties are bit-exact in fp32
+        assert ((s > top - 0.04).sum(-1) == ties).all(), name  # everything else is well below
+    s = scores_of(*adversarial_inputs(CASES["near-k4"], rows=1000, seed=3)[:2])
+    top = s.amax(-1, keepdim=True)
+    assert ((s > top - NEAR_WINDOW).sum(-1) == 4).all()
+    assert ((s == top).sum(-1) == 1).all()  # near-ties are distinct from the max
+    assert (top > 0).all() and (s.amax(-1) < 3.01).all()
+    neg = scores_of(*adversarial_inputs(CASES["near-k4-neg"], rows=1000, seed=3)[:2])
+    assert (neg.amax(-1) < 0).all()
+
+
+def test_inputs_are_seeded_and_validated():
+    a = adversarial_inputs(CASES["near-k4"], rows=100, seed=7)
+    b = adversarial_inputs(CASES["near-k4"], rows=100, seed=7)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="scores"):
+        Case("bad", scores="almost")
+    with pytest.raises(ValueError, match="ties"):
+        Case("bad", "exact", ties=1)
+    with pytest.raises(ValueError, match="max_range"):
+        Case("bad", max_range=(-1.0, 1.0))
+    with pytest.raises(ValueError, match="case must be"):
+        measure_bias("reference", "no-such-case")
+    with pytest.raises(ValueError, match="impl must be"):
+        measure_bias(42, "unique", rows=64)
+
+
+def test_stats_and_json():
+    stats = ErrorStats.of(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert stats.mean == 2.5 and stats.n == 4 and stats.t == pytest.approx(2.5 / (stats.std / 2))
+    result = measure_bias("reference", "unique", rows=640)
+    assert isinstance(result, BiasResult) and result.rows == 640 and result.nonfinite == 0
+    back = json.loads(json.dumps(result.to_dict()))
+    assert back["o"]["n"] == 640 and back["case"] == "unique" and back["impl"] == "reference"
+    assert "reference" in format_table([result])
+
+
+def test_near_max_bias_in_fa2_and_the_fix_removes_it():
+    plain, fixed = bias_table({"fa2": emulated(), "fa2+fix": emulated(fix=Fix())}, ["near-k4"], rows=ROWS)
+    # P̄ just below 1 rounds up to 1.0: near-max keys are over-weighted, O moves toward V's sign (negative)
+    assert plain.o.t < -10 and plain.delta.t > 10, format_table([plain])
+    assert abs(fixed.o.t) < 5 and abs(fixed.delta.t) < 5, format_table([fixed])
+
+
+def test_fa2_unbiased_with_unique_max_or_exact_ties():
+    results = bias_table({"fa2": emulated()}, ["unique", "exact-k4"], rows=ROWS)
+    for r in results:
+        assert abs(r.o.t) < 5 and abs(r.delta.t) < 5, format_table(results)
+
+
+def test_paper_placement_is_biased_even_with_a_unique_max():
+    # triton-cpu.md §4: V ~ N(-1, 0.5^2), unique max: O biased negative, δ positive (bf16 l, P̄V, running O)
+    r = measure_bias(emulated("paper"), "unique-v-1", rows=ROWS, name="paper")
+    assert r.o.t < -10 and r.delta.t > 10, format_table([r])
+
+
+def test_stochastic_rounding_of_pbar_removes_the_bias():
+    r = measure_bias(emulated("fa2:weights=bf16@stochastic", seed=1), "near-k4", rows=ROWS, name="fa2-sr")
+    assert abs(r.o.t) < 5 and abs(r.delta.t) < 5, format_table([r])
+
+
+def test_truncating_pbar_is_catastrophically_biased():
+    r = measure_bias(emulated(truncating_fa2()), "unique", rows=ROWS, name="fa2-trunc")
+    # every P̄ loses up to one ulp downward while l keeps the fp32 sum: O shrinks toward zero (V < 0)
+    assert r.o.t > 100 and r.delta.t < -100, format_table([r])
+
+
+def test_gpu_suite_and_bench_run_on_cpu(tmp_path):
+    """The GPU scripts' code paths at toy sizes, through Triton's interpreter (real numbers need a GPU)."""
+    from lowprec.attention import gpu_suite
+    from lowprec.cli import main as lowprec_main
+
+    assert gpu_suite.main(["--out", str(tmp_path), "--smoke", "--rows", "64", "--fuzz", "2"]) == 0
+    suite = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert suite["provenance"]["git_commit"] and suite["errors"] == []
+    assert {r["impl"] for r in suite["bias"]} >= {"triton", "triton+fix", "emulated-fa2"}
+    kernel = {(r["impl"], r["case"]): r["o"]["mean"] for r in suite["bias"] if r["impl"] != "emulated-fa2"}
+    emulator = {r["case"]: r["o"]["mean"] for r in suite["bias"] if r["impl"] == "emulated-fa2"}
+    assert all(kernel["triton", case] == mean for case, mean in emulator.items())  # bit-identical on CPU
+    assert all(r["pass"] for r in suite["correctness"]) and suite["fuzz"]["configs"] == 2
+
+    out = tmp_path / "bench.json"
+    assert lowprec_main(["bench", "attention", "--smoke", "--causal", "true", "--out", str(out)]) == 0
+    bench = json.loads(out.read_text())
+    assert {r["impl"] for r in bench["results"]} >= {"triton", "triton+fix"}
+    assert all(r["fwd+bwd_tflops"] > 0 for r in bench["results"] if r["impl"].startswith("triton"))
