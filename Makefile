@@ -17,18 +17,26 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
+# The execution cache is keyed on the chapters' text only: when the library changes, re-execute them all.
+JUPYTER_CACHE := _build/.jupyter_cache/global.db
 book: setup
+	@if [ -f $(JUPYTER_CACHE) ] && [ -n "$$(find lib -name '*.py' -newer $(JUPYTER_CACHE) | head -1)" ]; then \
+		rm -rf $(dir $(JUPYTER_CACHE)); fi
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .
 
 test: setup
-	$(PY) -m ruff check lib tests book
+	$(PY) -m ruff check lib tests book _ext
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
+# JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 lab: setup
-	TRITON_INTERPRET=1 $(VENV)/bin/jupyter lab book/
+	mkdir -p $(dir $(LAB_OVERRIDES))
+	echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}}}' > $(LAB_OVERRIDES)
+	TRITON_INTERPRET=1 $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) book/
 
 lint: setup
-	$(PY) -m ruff check lib tests book
+	$(PY) -m ruff check lib tests book _ext
 
 clean:
 	rm -rf _build

@@ -1,0 +1,186 @@
+"""The book: every chapter executes, and the built site is self-contained and renders in a browser offline.
+
+The site tests build `_build/html` once per session with `make book` when it is missing or older than its
+sources. The browser test opens every page in headless Chromium (Debian's /usr/bin/chromium, driven by
+playwright) from a local server and fails on console errors, failed requests, figures that did not draw and
+widgets that did not render.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import re
+import subprocess
+import threading
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import jupytext
+import nbclient
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "_build" / "html"
+CHAPTERS = sorted(p for p in (ROOT / "book").glob("*.md") if "kernelspec:" in p.read_text())
+SOURCES = ["book", "lib", "_ext", "_vendor", "_config.yml", "_toc.yml"]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--disable-quic",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_executes(path: Path) -> None:
+    notebook = jupytext.read(path)
+    client = nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    )
+    client.execute()
+
+
+LIVE_EXPLORER = [
+    "from lowprec.viz.explore import rounding_explorer\npanel = rounding_explorer()\npanel",
+    "fmt_box, out = panel.children[0].children[0], panel.children[2]\nbefore = str(out.outputs)",
+    "fmt_box.value = 'fp16'",
+    "after = str(out.outputs)\nassert 'sum in bf16' in before and 'sum in fp16' in after, (before, after)",
+]
+
+
+def test_live_explorer_updates_in_a_kernel() -> None:
+    """Changing a control of chapter 1's panel re-renders its output (what a JupyterLab reader sees)."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in LIVE_EXPLORER])
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3").execute()
+
+
+def newest_source_time() -> float:
+    files = [
+        f
+        for name in SOURCES
+        for f in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))
+    ]
+    return max(f.stat().st_mtime for f in files if f.is_file() and "__pycache__" not in f.parts)
+
+
+@pytest.fixture(scope="session")
+def site() -> Path:
+    """The built site, rebuilt with `make book` if it is missing or older than any of its sources."""
+    index = SITE / "index.html"
+    if not index.exists() or index.stat().st_mtime < newest_source_time():
+        result = subprocess.run(["make", "book"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        assert result.returncode == 0, f"make book failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
+        index.touch()  # a no-op rebuild leaves old pages in place; they are current now
+    return SITE
+
+
+def pages(site: Path) -> list[Path]:
+    """Every page Sphinx wrote (theme templates copied into _static are not pages)."""
+    return sorted(
+        p for p in site.rglob("*.html") if p.relative_to(site).parts[0] not in ("_static", "_sources")
+    )
+
+
+class ExternalAssets(HTMLParser):
+    """Collects every script, stylesheet, image or frame a page would fetch from another host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        url = {
+            "script": a.get("src"),
+            "img": a.get("src"),
+            "iframe": a.get("src"),
+            "link": a.get("href"),
+        }.get(tag)
+        fetched = tag != "link" or {"stylesheet", "preload", "modulepreload", "icon"} & set(
+            (a.get("rel") or "").split()
+        )
+        if url and fetched and re.match(r"(https?:)?//", url):
+            self.found.append(f"<{tag}> {url}")
+
+
+def test_site_loads_nothing_from_outside(site: Path) -> None:
+    problems = {}
+    for page in pages(site):
+        parser = ExternalAssets()
+        parser.feed(page.read_text(errors="replace"))
+        if parser.found:
+            problems[str(page.relative_to(site))] = parser.found
+    assert not problems, problems
+    assert (site / "_static" / "plotly.min.js").exists()
+
+
+@pytest.fixture(scope="module")
+def server(site: Path) -> Iterator[str]:
+    handler = functools.partial(QuietHandler, directory=str(site))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+PAGE_CHECK = """() => {
+  const graphs = [...document.querySelectorAll('.plotly-graph-div')];
+  const views = document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]');
+  return {
+    graphs: graphs.length,
+    undrawn: graphs.filter(g => !g.querySelector('.main-svg')).length,
+    widget_views: views.length,
+    rendered_widgets: [...views].filter(v => v.parentElement.querySelector('.jupyter-widgets')).length,
+    raw_math: document.querySelectorAll('.math:not(:has(mjx-container))').length,
+  };
+}"""
+
+
+def test_every_page_renders_offline_in_chromium(site: Path, server: str) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `make setup` (apt-get install -y chromium)")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    failures: dict[str, list[str]] = {}
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for page_path in pages(site):
+                name = str(page_path.relative_to(site))
+                failures[name] = check_page(browser, f"{server}/{name}", server)
+        finally:
+            browser.close()
+    failures = {name: problems for name, problems in failures.items() if problems}
+    assert not failures, failures
+
+
+def check_page(browser, url: str, server: str) -> list[str]:
+    """Open one page; return what went wrong (console errors, failed or external requests, undrawn output)."""
+    problems: list[str] = []
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.route(re.compile(r"^(?!" + re.escape(server) + r")"), lambda route: route.abort())  # stay offline
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+    try:
+        page.goto(url, wait_until="networkidle")
+        page.evaluate("() => window.MathJax?.startup?.promise.then(() => true) ?? true")  # typesetting done
+        page.wait_for_timeout(500)  # let widget and plot rendering settle
+        state = page.evaluate(PAGE_CHECK)
+    finally:
+        page.close()
+    if state["undrawn"]:
+        problems.append(f"{state['undrawn']} of {state['graphs']} plotly figures did not draw")
+    if state["rendered_widgets"] < state["widget_views"]:
+        problems.append(f"only {state['rendered_widgets']} of {state['widget_views']} widgets rendered")
+    if state["raw_math"]:
+        problems.append(f"{state['raw_math']} math elements were not typeset")
+    return problems
