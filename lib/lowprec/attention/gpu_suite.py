@@ -1,0 +1,378 @@
+"""The attention kernels on a real GPU: correctness, a fuzz run, and the signed bias of every fast kernel.
+
+    python -m lowprec.attention.gpu_suite --out DIR          # on a CUDA machine (~3 min on one H200)
+    python -m lowprec.attention.gpu_suite --out DIR --smoke  # on a CPU, via Triton's interpreter (<1 min)
+
+Sections, each case in its own try/except, results rewritten to DIR/gpu_suite.json after every case:
+  bias         our Triton kernel (Fix off / on), the fa2 emulator and torch SDPA's flash, cuDNN,
+               memory-efficient and math backends on the adversarial rows of lowprec.attention.bias (unique
+               max, exact ties, near-ties within 1e-3, same-sign V at two means, huge logits, random): mean
+               error and t for O and δ = rowsum(dO ∘ O) against float64. SDPA backends that cannot run are
+               recorded with the reason.
+  correctness  the Triton kernel, forward and backward, over head dims 16..128, odd and even N, causal or
+               not, Fix on/off, bf16/fp16/fp32 inputs, against float64 with FlashAttention's rule: the
+               kernel's max error must be <= 2x the max error of plain attention in the input dtype (+ ATOL).
+  fuzz         >= 500 random configurations (batch, heads, N incl. odd, head dim, causal, dtype, Fix, logit
+               scale, injected exact ties) under the same rule; failures are counted, their configs recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lowprec.attention.bias import CASES, BiasResult, Rows, bias_of, format_table, with_v_mean
+from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention
+from lowprec.attention.precision import Fix
+from lowprec.attention.reference import reference_attention
+from lowprec.attention.triton_kernels import flash_attention
+from lowprec.runs import provenance, write_json
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FACTOR = 2.0
+MIN_ROWS = 256  # query rows per fuzz config at least, so that max errors are not a few-sample draw
+# Fixed tiles (64 x 64, the emulator's default) instead of the autotuner: the autotune key includes N, so
+# every new sequence length would re-tune 44 configurations; a few checks use other tile shapes.
+BLOCKS = (64, 64)
+BIAS_CASES = (
+    "unique",
+    "exact-k4",
+    "near-k4",
+    "near-k4-neg",
+    "unique-v+3",
+    "near-k4-v+3",
+    "exact-k4-huge",
+    "random",
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One correctness configuration."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: bool
+    dtype: str = "bf16"
+    fix: bool = False
+    logit_scale: float = 1.0
+    ties: int = 0
+    blocks: tuple[int, int] = BLOCKS
+
+
+def make_inputs(c: Check, seed: int, device: str) -> tuple[torch.Tensor, ...]:
+    """q, k, v, dO of config `c`: unit Gaussians, q times logit_scale, and `ties` copies of one key per head
+    (so every row that prefers that key has an exact repeated maximum) when seq >= 2 * ties. (With all keys
+    tied, softmax is uniform and dQ is exactly 0; a flash backward then shows only its δ error, from the
+    rounded O, while plain attention's cancels: a real difference the 2x rule cannot judge.)"""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (c.batch, c.heads, c.seq, c.head_dim)
+    q, k, v, do = (torch.randn(shape, generator=gen) for _ in range(4))
+    q = q * c.logit_scale
+    if c.ties > 1 and c.seq >= 2 * c.ties:
+        pos = torch.randperm(c.seq, generator=gen)[: c.ties]
+        k[:, :, pos[1:]] = k[:, :, pos[:1]]
+    dtype = DTYPES[c.dtype]
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v, do))
+
+
+def grads_of(fn, q, k, v, do) -> list[torch.Tensor]:
+    """[o, dq, dk, dv] of fn(q, k, v) for upstream gradient do."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = fn(q, k, v)
+    o.backward(do.to(o.dtype))
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def check(c: Check, seed: int, device: str) -> dict:
+    """Max errors of the Triton kernel and of a baseline vs float64, and whether FlashAttention's rule holds
+    for o, dq, dk and dv: kernel error <= 2 x baseline error + 2 x the fp32 rounding noise at the
+    reference's magnitude (|ref + 0.3 - 0.3 - ref|, as in FlashAttention-3's tests). Baseline: plain
+    attention in the input dtype (bf16/fp16, FlashAttention's choice); for fp32 inputs, where plain fp32
+    attention is more accurate than any flash backward that recomputes P from the logsumexp, the same
+    algorithm exactly rounded (the emulator)."""
+    q, k, v, do = make_inputs(c, seed, device)
+    fix = Fix() if c.fix else None
+    kernel = grads_of(
+        functools.partial(
+            flash_attention, causal=c.causal, fix=fix, block_m=c.blocks[0], block_n=c.blocks[1]
+        ),
+        q,
+        k,
+        v,
+        do,
+    )
+    exact = grads_of(
+        lambda q_, k_, v_: reference_attention(q_, k_, v_, c.causal)[0],
+        q.double(),
+        k.double(),
+        v.double(),
+        do.double(),
+    )
+    if c.dtype == "fp32":
+        baseline = functools.partial(
+            attention, backend="emulated", causal=c.causal, fix=fix, block_m=c.blocks[0], block_n=c.blocks[1]
+        )
+    else:
+        baseline = functools.partial(math_attention, causal=c.causal)
+    base = grads_of(baseline, q, k, v, do)
+    names = ("o", "dq", "dk", "dv")
+    err = {n: (a.double() - e).abs().max().item() for n, a, e in zip(names, kernel, exact, strict=True)}
+    base_err = {n: (a.double() - e).abs().max().item() for n, a, e in zip(names, base, exact, strict=True)}
+    noise = {
+        n: (e.float() + 0.3 - 0.3 - e.float()).abs().max().item() for n, e in zip(names, exact, strict=True)
+    }
+    ratio = {n: _ratio(err[n], base_err[n] + noise[n]) for n in names}
+    failed = [n for n in names if not (math.isfinite(err[n]) and ratio[n] <= FACTOR)]
+    return {
+        "config": asdict(c),
+        "seed": seed,
+        "error": err,
+        "baseline_error": base_err,
+        "baseline": "emulated" if c.dtype == "fp32" else "plain",
+        "ratio": ratio,
+        "pass": not failed,
+        "failed": failed,
+    }
+
+
+def _ratio(err: float, allowed: float) -> float:
+    """err / allowed, with 0/0 = 0 and x/0 = inf (exact zeros, e.g. dQ of a single key, are common)."""
+    if err == 0:
+        return 0.0
+    return err / allowed if allowed > 0 else math.inf
+
+
+def correctness_checks(smoke: bool) -> list[Check]:
+    """Head dims 16..128, odd / multiple-of-16 / single-row N, causal or not, Fix on/off, fp16/fp32 inputs,
+    other tile shapes, large logits with exact ties. Chosen so that the fuzz run needs no new compilations
+    (Triton compiles one variant per head dim, causal, Fix, dtype and N mod 16 == 0 or N == 1)."""
+    if smoke:
+        return [
+            Check(1, 2, n, d, causal, fix=fix)
+            for n, d in ((1, 16), (37, 32))
+            for causal in (False, True)
+            for fix in (False, True)
+        ] + [Check(1, 1, 19, 16, True, dtype) for dtype in ("fp16", "fp32")]
+    checks = [
+        Check(2, 3, n, d, causal, fix=fix)
+        for d in (16, 32, 64, 128)
+        for n in (17, 255, 1024)
+        for causal in (False, True)
+        for fix in (False, True)
+    ]
+    checks += [Check(2, 3, 1, 64, causal, fix=fix) for causal in (False, True) for fix in (False, True)]
+    checks += [
+        Check(2, 3, n, 64, causal, dtype, fix)
+        for dtype in ("fp16", "fp32")
+        for n in (17, 256)
+        for causal in (False, True)
+        for fix in (False, True)
+    ]
+    checks += [
+        Check(2, 3, 300, 64, causal, blocks=blocks)
+        for causal in (False, True)
+        for blocks in ((128, 32), (32, 128))
+    ]
+    checks += [Check(1, 4, 512, 64, True, fix=True, logit_scale=s, ties=4) for s in (4.0, 16.0, 64.0)]
+    return checks
+
+
+def fuzz_check(rng: random.Random, smoke: bool) -> Check:
+    """A random configuration within the compiled variants of `correctness_checks` (bf16 at every head dim,
+    fp16 / fp32 at head dim 64), N from 2 (odd and even), random logit scale and injected exact ties."""
+    dtype = rng.choices(("bf16", "fp16", "fp32"), weights=(6, 2, 1))[0]
+    dims = (16, 32) if smoke else (16, 32, 64, 128) if dtype == "bf16" else (64,)
+    batch, seq = rng.randint(1, 4), rng.randint(2, 40 if smoke else 700)
+    min_rows = MIN_ROWS // 4 if smoke else MIN_ROWS
+    return Check(
+        batch=batch,
+        heads=max(rng.randint(1, 8), -(-min_rows // (batch * seq))),
+        seq=seq,
+        head_dim=16 if smoke and dtype != "bf16" else rng.choice(dims),
+        causal=rng.random() < 0.5,
+        dtype=dtype,
+        fix=rng.random() < 0.5,
+        logit_scale=rng.choice((0.5, 1.0, 4.0, 16.0)),
+        ties=rng.choice((0, 0, 2, 4, 8)),
+    )
+
+
+def sdpa_available(backend: str, device: str) -> str | None:
+    """None if SDPA's `backend` runs the bias inputs' shape (bf16, head dim 128, non-causal), else why not."""
+    x = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16)
+    try:
+        attention(x, x, x, backend="sdpa", causal=False, sdpa_backend=backend)
+    except Exception as exc:  # torch raises RuntimeError with warnings naming the reasons
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    return None
+
+
+def bias_impls(device: str, skipped: dict) -> dict:
+    """Every implementation to measure, as non-causal callables; unavailable SDPA backends go to `skipped`."""
+    kernel = functools.partial(
+        flash_attention, causal=False, block_m=BLOCKS[0], block_n=BLOCKS[1], return_stats=True
+    )
+    impls = {
+        "triton": kernel,
+        "triton+fix": functools.partial(kernel, fix=Fix()),
+        "emulated-fa2": functools.partial(attention, backend="emulated", causal=False),
+    }
+    for backend in SDPA_BACKENDS:
+        reason = sdpa_available(backend, device)
+        if reason is None:
+            impls[f"sdpa-{backend}"] = functools.partial(
+                attention, backend="sdpa", causal=False, sdpa_backend=backend
+            )
+        else:
+            skipped[f"sdpa-{backend}"] = reason
+    return impls
+
+
+class Report:
+    """The JSON record, rewritten after every case so that a killed run keeps what it measured."""
+
+    def __init__(self, path: Path, args: argparse.Namespace):
+        self.path = path
+        self.data = {
+            "provenance": provenance(),
+            "args": vars(args),
+            "bias": [],
+            "bias_skipped": {},
+            "correctness": [],
+            "fuzz": {"configs": 0, "failures": 0, "failing": []},
+            "errors": [],
+            "seconds": {},
+        }
+        self.save()
+
+    def save(self) -> None:
+        write_json(self.path, self.data)
+
+    def error(self, section: str, what: object, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        self.data["errors"].append({"section": section, "case": str(what), "error": error})
+        self.save()
+
+
+def run_bias(report: Report, device: str, rows: int) -> None:
+    impls = bias_impls(device, report.data["bias_skipped"])
+    cases = [CASES[name] for name in BIAS_CASES] + [with_v_mean(CASES["exact-k4"], 3.0)]
+    for case in tqdm(cases, desc="bias", mininterval=10):
+        data = Rows.make(case, rows, seed=0, device=device)
+        for label, impl in impls.items():
+            try:
+                report.data["bias"].append(bias_of(impl, data, name=label).to_dict())
+            except Exception as exc:
+                report.error("bias", f"{label} on {case.name}", exc)
+        report.save()
+
+
+def run_correctness(report: Report, device: str, smoke: bool) -> None:
+    for i, c in enumerate(tqdm(correctness_checks(smoke), desc="correctness", mininterval=10)):
+        try:
+            report.data["correctness"].append(check(c, seed=i, device=device))
+        except Exception as exc:
+            report.error("correctness", c, exc)
+        report.save()
+
+
+def run_fuzz(report: Report, device: str, n: int, smoke: bool) -> None:
+    rng = random.Random(1234)
+    fuzz = report.data["fuzz"]
+    for i in tqdm(range(n), desc="fuzz", mininterval=10):
+        c = fuzz_check(rng, smoke)
+        try:
+            result = check(c, seed=10_000 + i, device=device)
+        except Exception as exc:
+            report.error("fuzz", c, exc)
+            result = {"config": asdict(c), "pass": False, "failed": [f"{type(exc).__name__}: {exc}"]}
+        fuzz["configs"] += 1
+        if not result["pass"]:
+            fuzz["failures"] += 1
+            fuzz["failing"].append(result)
+        if i % 50 == 0 or i == n - 1:
+            report.save()
+
+
+def summary(data: dict) -> str:
+    """The compact text summary printed at the end."""
+    lines = ["== bias (O: mean error and t over rows; δ = rowsum(dO∘O): mean error and t) =="]
+    lines.append(format_table(BiasResult.from_dict(d) for d in data["bias"]))
+    for name, why in data["bias_skipped"].items():
+        lines.append(f"skipped {name}: {why}")
+    corr = data["correctness"]
+    failed = [r for r in corr if not r["pass"]]
+    lines.append(
+        f"== correctness: {len(corr) - len(failed)}/{len(corr)} pass (rule: err <= {FACTOR:g} x "
+        "(baseline err + fp32 noise)) =="
+    )
+    lines += [f"FAIL {r['config']}: err / (baseline err + noise) = {r['ratio']}" for r in failed[:10]]
+    fuzz = data["fuzz"]
+    lines.append(f"== fuzz: {fuzz['failures']} failures in {fuzz['configs']} random configs ==")
+    lines += [f"FAIL {r['config']}: {r.get('ratio', r['failed'])}" for r in fuzz["failing"][:10]]
+    lines.append(f"errors: {len(data['errors'])}; seconds: {data['seconds']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lowprec.attention.gpu_suite", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--out", required=True, help="folder for gpu_suite.json (created if missing)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on a CPU via the interpreter)")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="adversarial rows per bias case (default 100000 on a GPU, 256 with --smoke)",
+    )
+    parser.add_argument(
+        "--fuzz", type=int, default=None, help="random configurations (default 600; 6 with --smoke)"
+    )
+    parser.add_argument("--sections", default="bias,correctness,fuzz", help="comma-separated subset to run")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - {"bias", "correctness", "fuzz"})
+    if unknown:
+        raise SystemExit(f"--sections takes bias, correctness, fuzz; got {unknown}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise SystemExit("no CUDA device: run with --smoke (tiny sizes through Triton's interpreter)")
+    rows = args.rows or (256 if args.smoke else 100_000)
+    n_fuzz = args.fuzz if args.fuzz is not None else (6 if args.smoke else 600)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / "gpu_suite.json", args)
+    for name in sections:
+        start = time.perf_counter()
+        if name == "bias":
+            run_bias(report, device, rows)
+        elif name == "correctness":
+            run_correctness(report, device, args.smoke)
+        else:
+            run_fuzz(report, device, n_fuzz, args.smoke)
+        report.data["seconds"][name] = round(time.perf_counter() - start, 1)
+        report.save()
+    print(summary(report.data))
+    print(f"wrote {report.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
