@@ -1,0 +1,576 @@
+"""Positive control: one attention layer in which biased rounding is the ONLY thing that can move W_Q.
+
+Design (every choice serves one purpose: in exact arithmetic the expected gradient of W_Q is zero):
+- Queries q = W_Q x, x = u + noise (a "carrier" u shared by all tokens, like the paper's features 546/678).
+  Keys and values are synthetic, fresh each step (no W_K, W_V). `sinks` keys equal one sink key k_s except
+  for a tiny component along one axis e_g ⟂ k_s, so their scores differ by ~`near_gap`: near ties inside
+  bf16's round-to-1.0 window 2^-9 (fa2's trigger), which the drift along R = k̂_s û^T does not spread out.
+  Content keys are random and ⟂ k_s. W_Q starts as a "sink head": the sinks lead every row by ~`sink_score`.
+- V has two channels. Bias channel (first half of the dims): every key's value ~ N(v_mean, v_std^2), one
+  sign (the paper's mostly negative V[:, 20]); its loss bias_weight * sign(v_mean) * mean(O_A) wants |O_A|
+  smaller, a persistent dO with V's sign (as the paper's dO and V in dims 20, 29) that no attention pattern
+  can satisfy. Task channel: content values ~ N(0, 1), sinks 0; target y = the float64 output of the initial
+  W_Q on the same batch (a teacher); loss 1/2 ||O_B - y||^2.
+- So, in exact arithmetic, the task gradient is exactly 0 at W_Q(0) and restoring elsewhere, and the bias
+  channel's gradient Σ_j P_j dO_A·(v_j - O) is zero-mean (the value noise is independent of the scores).
+- Arms, identical init and data stream: "lowp" (the placement's rounding, no fix), "fix" (the paper's dynamic
+  maximum Fix(beta)), "fp32pv" (the placement with P̄, the P̄V result and the running O unrounded),
+  "reference" (float64 attention on the fp32 q). Placements Precision.fa2() and Precision.paper(); Adam
+  (the paper's betas 0.9/0.95) and plain SGD, sgd_lr calibrated so that the reference arm's mean step size
+  matches Adam's.
+- Telemetry per step, against float64 attention on the SAME bf16 q, k, v: Σ_T (δ_lp - δ_hp)[T] (one dO), the
+  W_Q gradient error on R, Eq. (2)'s δ-only prediction -α Σ_T δerr[T] (PK)[T]^T x[T], how alike the rank-1
+  terms (PK)[T]^T x[T] are across tokens and steps, P̄ = 1 per row, ⟨W - W0, R⟩, ||W||_2, update size and
+  direction, the task loss (as a fraction of its ceiling, all content attention lost) and the content mass.
+
+Predictions (written after a bias probe at W_Q(0), before the first training run; that run used lr 1e-3 and
+a bias loss of fixed sign, -mean(O_A), which equals the final one for v_mean < 0):
+- fa2, lowp: near-tied sinks round up to P̄ = 1.0 while l keeps the unrounded sum, so O_A is pulled away from
+  zero (toward v_mean) and δ_lp - δ_hp > 0 on ~every step (probe: t ≈ +10 over 200 batches). The gradient
+  error points along -R, so descent pushes W_Q along +R: the sink logits grow, the content mass shrinks, the
+  task loss rises, ||W_Q|| grows. With Adam each coordinate of R moves ~lr per step (a full-size step);
+  with SGD the same bias moves W_Q by lr * 1e-4 per step: no visible drift.
+- fa2, fix: near ties are detected and shifted, P̄ < 1, no one-signed δ error, no drift beyond the reference's
+  random walk. fp32pv and reference: no drift.
+- paper: biased in every arm that rounds P̄V, sign set by where O sits in its binade (probe at v_mean = -1.5:
+  δ error NEGATIVE without the fix, positive with it), so it drifts the other way (sink logits fall), and the
+  published fix does not remove it. fp32pv: smaller bias (the bf16 l and O remain).
+- Blow-up: only if the task's restoring force along R (bounded: it fades as the content mass goes to 0) is
+  smaller than the bias; then Adam drives the sink logits up without bound and the task loss climbs to its
+  ceiling (all content attention lost). Otherwise the drift saturates at an offset. Not known in advance.
+
+What happened (defaults, seed 0, 300 steps; results/positive-control/cpu-default.json; book chapter 4):
+- fa2 as predicted, and more: lowp t(δ err) = +33, running Σδ err positive at every step, gradient error on R
+  t = -32 and equal to Eq. (2)'s δ-only prediction (cosine 1.00); with Adam W_Q runs away along R (⟨W-W0,R⟩
+  +6.4, ||W||_2 x3.3), the content mass falls 0.110 -> 0.000 (below 10% at step 187) and the task is lost
+  (loss at 99% of its ceiling). fix, fp32pv, reference: |t| <= 2.5, no drift, no loss. Probe sign held for
+  every v_mean tried (-0.75 ... -3, and +1.5 with the sign-matched dO).
+- SGD was WRONG in the prediction: it drifts too (t +44; ⟨W-W0,R⟩ +0.36 vs 0.02 for the reference), but
+  stops at an equilibrium offset where the task's restoring gradient balances the bias (content mass 0.073,
+  9% of the task lost). Adam runs away because, as the content mass and with it the exact gradient vanish,
+  its normalisation keeps the biased step full-size (last 100 steps: 3.3x the reference's step; SGD 0.8x).
+- paper placement: the prediction was WRONG. Without the fix it is NOT biased here (t ≈ ±1): bf16 scores turn
+  the near ties into exact ties, and exact ties leave O unbiased when O sits mid-binade; it is biased only
+  at O ≈ -1 (v_mean = -1: t = +18), a power-of-two edge. With the published fix it IS biased (t +24, a
+  bounded drift +0.18): P̄_max = bf16(exp(-r)) with r on the coarse bf16 score grid, so the rounding errors
+  do not average out; its sign follows the sink-score distribution (+ at sink_score <= 5.5, 0 at 6, - at 7)
+  and needs both bf16 S and bf16 P̄ (ablation). No blow-up in either paper arm within 300 steps.
+- The runaway is a threshold, not a law (results/positive-control/cpu-vmean-1*.json): at v_mean = -1 the fa2
+  bias is ~0.6x as large and the no-fix arm settles at a bounded offset (+0.25 at 300 steps, +0.31 at 1000);
+  with bias_weight = 2 it collapses at step 101. There the paper placement is biased with and without its
+  fix (t +27 / +31) and drifts (+1.05 / +0.41), without collapsing within 300 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lowprec.attention import Fix, Precision, emulated_attention, reference_attention
+
+PLACEMENTS = ("fa2", "paper")
+ARMS = ("lowp", "fix", "fp32pv", "reference")
+OPTIMIZERS = ("adam", "sgd")
+FP32_PV = {  # P̄, the P̄V result and the running O unrounded; the rest of the placement unchanged
+    "fa2": "fa2:weights=none",
+    "paper": "paper:weights=none,product=none,accumulator=none",
+}
+SINK_KEY_NORM = 3.0
+CARRIER_NORM = 2.0
+X_NOISE = 0.25
+ADAM_BETAS = (0.9, 0.95)
+COLLAPSE = 0.1  # "attention collapse": the content mass falls below this fraction of its initial value
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """Sizes, the synthetic data and the optimizers (module docstring). sgd_lr = 16 makes the reference arm's
+    mean step ||ΔW|| match Adam's at lr 3e-3 (0.0139 vs 0.0143 per step, measured with the defaults)."""
+
+    steps: int = 300
+    batch: int = 8
+    seq: int = 64
+    head_dim: int = 16
+    d_model: int = 32
+    sinks: int = 4
+    sink_score: float = 5.0
+    near_gap: float = 5e-4
+    v_mean: float = -1.5
+    v_std: float = 0.1
+    bias_weight: float = 1.0
+    lr: float = 3e-3
+    sgd_lr: float = 16.0
+    beta: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch", "seq", "d_model"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not (isinstance(self.head_dim, int) and self.head_dim >= 4 and self.head_dim % 2 == 0):
+            raise ValueError(f"head_dim must be an even int >= 4, got {self.head_dim!r}")
+        if not 2 <= self.sinks < self.seq:
+            raise ValueError(f"sinks must be in [2, seq), got {self.sinks}")
+        if self.v_mean == 0:
+            raise ValueError("v_mean must be nonzero (same-sign values are the point)")
+        for name in ("near_gap", "v_std", "lr", "sgd_lr"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def bias_dims(self) -> int:
+        return self.head_dim // 2
+
+
+@dataclass
+class Problem:
+    """The fixed parts: carrier u, sink direction k̂ (⟂ the gap axis, the last dim), W_Q(0), R = k̂ û^T."""
+
+    u: torch.Tensor
+    k_hat: torch.Tensor
+    w0: torch.Tensor
+    r: torch.Tensor
+    eta_std: float
+
+
+def make_problem(cfg: ControlConfig) -> Problem:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    D, C = cfg.head_dim, cfg.d_model
+    u = torch.randn(C, generator=gen)
+    u = CARRIER_NORM * u / u.norm()
+    k_hat = torch.zeros(D)
+    k_hat[:-1] = torch.randn(D - 1, generator=gen)
+    k_hat /= k_hat.norm()
+    w0 = torch.randn(D, C, generator=gen) / math.sqrt(C)
+    # a sink head: add a·k̂ û^T so that the mean sink score α (W0 u)·k_s is sink_score
+    a = (cfg.sink_score / (cfg.scale * SINK_KEY_NORM) - k_hat @ w0 @ u) / u.norm()
+    w0 += a * torch.outer(k_hat, u / u.norm())
+    # gap-axis query component q_g = W0[-1]·x: its rms sets the key offsets that give score gaps of near_gap
+    q_g_rms = math.sqrt(float(w0[-1] @ u) ** 2 + X_NOISE**2 * float(w0[-1].norm()) ** 2)
+    eta_std = cfg.near_gap / (cfg.scale * q_g_rms * math.sqrt(2.0))
+    return Problem(u, k_hat, w0, torch.outer(k_hat, u / u.norm()), eta_std)
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor  # (B, N, C) fp32
+    k: torch.Tensor  # (B, 1, N, D) bf16-representable fp32
+    v: torch.Tensor  # (B, 1, N, D) bf16-representable fp32
+    y: torch.Tensor  # (B, 1, N, D - bias_dims) float64 teacher output on the task channel
+
+
+def sample_batch(cfg: ControlConfig, prob: Problem, gen: torch.Generator) -> Batch:
+    B, N, D, C, S, A = cfg.batch, cfg.seq, cfg.head_dim, cfg.d_model, cfg.sinks, cfg.bias_dims
+    x = prob.u + X_NOISE * torch.randn(B, N, C, generator=gen)
+    k = torch.randn(B, N, D, generator=gen)
+    k -= (k @ prob.k_hat)[..., None] * prob.k_hat  # content keys ⟂ k_s: the R-drift moves only sink logits
+    k[:, :S] = SINK_KEY_NORM * prob.k_hat
+    k[:, :S, -1] = prob.eta_std * torch.randn(B, S, generator=gen)  # near ties along the gap axis
+    v = torch.randn(B, N, D, generator=gen)
+    v[..., :A] = cfg.v_mean + cfg.v_std * v[..., :A]
+    v[:, :S, A:] = 0.0
+    k, v = (t.bfloat16().float()[:, None] for t in (k, v))
+    q0 = (x.double() @ prob.w0.double().T)[:, None]
+    y = reference_attention(q0, k.double(), v.double(), causal=False)[0][..., A:]
+    return Batch(x, k, v, y)
+
+
+def loss_parts(o: torch.Tensor, y: torch.Tensor, cfg: ControlConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(task loss 1/2 ||O_B - y||^2, bias-channel loss bias_weight * sign(v_mean) * mean O_A), both averaged
+    over rows: the bias channel's dO has V's sign (the downstream wants |O_A| smaller), as in the paper."""
+    A = cfg.bias_dims
+    task = 0.5 * ((o[..., A:] - y) ** 2).sum(-1).mean()
+    return task, math.copysign(cfg.bias_weight, cfg.v_mean) * o[..., :A].mean()
+
+
+def arm_precision(placement: str, arm: str, beta: float) -> tuple[Precision | None, Fix | None]:
+    """(precision, fix) of an arm; precision None = float64 reference."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+    if arm == "reference":
+        return None, None
+    precision = Precision.parse(FP32_PV[placement] if arm == "fp32pv" else placement)
+    return precision, Fix(beta=beta) if arm == "fix" else None
+
+
+def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = float(a.norm() * b.norm())
+    return float((a * b).sum()) / den if den > 0 else 0.0
+
+
+def telemetry(
+    cfg: ControlConfig,
+    prob: Problem,
+    batch: Batch,
+    q_lp: torch.Tensor,
+    o_lp: torch.Tensor,
+    m_first: torch.Tensor | None,
+) -> tuple[dict, torch.Tensor]:
+    """Compare one lp step with float64 attention on the same bf16 q, k, v (module docstring).
+
+    q_lp, o_lp: the lp arm's bf16 q and output after backward (their .grad hold dq and dO). Returns the row of
+    numbers and this step's mean rank-1 direction Σ_T (PK)[T]^T x[T] (m_first: the first step's, or None).
+    """
+    S = cfg.sinks
+    qh = q_lp.detach().double().requires_grad_(True)
+    oh, lse = reference_attention(qh, batch.k.double(), batch.v.double(), causal=False)
+    sum(loss_parts(oh, batch.y, cfg)).backward()
+    p = torch.exp(qh.detach() @ batch.k.double().transpose(-1, -2) * cfg.scale - lse.detach()[..., None])
+    pk = (p @ batch.k.double())[:, 0]  # (B, N, D)
+    x = batch.x.double()
+    delta_err = (o_lp.grad.double() * (o_lp.detach().double() - oh.detach())).sum(-1)[:, 0]  # (B, N)
+    g_err = torch.einsum("bnd,bnc->dc", (q_lp.grad.double() - qh.grad)[:, 0], x)
+    pred = -cfg.scale * torch.einsum("bn,bnd,bnc->dc", delta_err, pk, x)  # Eq. (2), only δ differing
+    m = torch.einsum("bnd,bnc->dc", pk, x)
+    token_cos = torch.einsum("bnd,dc,bnc->bn", pk, m, x) / (pk.norm(dim=-1) * x.norm(dim=-1) * m.norm())
+    r = prob.r.double()
+    row = {
+        "delta_err": float(delta_err.sum()),
+        "g_err_r": float((g_err * r).sum()),
+        "pred_r": float((pred * r).sum()),
+        "g_err_cos_pred": cos(g_err, pred),
+        "rank1_token_cos": float(token_cos.mean()),
+        "rank1_r_cos": cos(m, r),
+        "rank1_step_cos": cos(m, m_first) if m_first is not None else 1.0,
+        "task_hp": float(loss_parts(oh.detach(), batch.y, cfg)[0]),
+        "content_mass": float(1.0 - p[..., :S].sum(-1).mean()),
+    }
+    return row, m
+
+
+def step(
+    cfg: ControlConfig,
+    prob: Problem,
+    w: torch.Tensor,
+    batch: Batch,
+    precision: Precision | None,
+    fix: Fix | None,
+    m_first: torch.Tensor | None = None,
+) -> tuple[dict, torch.Tensor | None]:
+    """Loss and backward (w.grad) for one batch in one arm, plus that step's telemetry row."""
+    q = (batch.x @ w.T)[:, None]
+    if precision is None:
+        o = reference_attention(q, batch.k, batch.v, causal=False)[0]
+    else:
+        q_lp = q.bfloat16()
+        q_lp.retain_grad()
+        o, stats = emulated_attention(
+            q_lp,
+            batch.k.bfloat16(),
+            batch.v.bfloat16(),
+            causal=False,
+            precision=precision,
+            fix=fix,
+            return_stats=True,
+        )
+        o.retain_grad()
+    task, bias = loss_parts(o.float(), batch.y, cfg)
+    (task + bias).backward()
+    row = {
+        "task": float(task.detach()),
+        "task_ceiling": float(0.5 * (batch.y**2).sum(-1).mean()),
+        "sink_score": float((q.detach() @ batch.k[..., : cfg.sinks, :].transpose(-1, -2)).mean() * cfg.scale),
+    }
+    if precision is None:
+        with torch.no_grad():
+            p = torch.softmax(q.double() @ batch.k.double().transpose(-1, -2) * cfg.scale, -1)
+        return row | {
+            "task_hp": row["task"],
+            "content_mass": float(1.0 - p[..., : cfg.sinks].sum(-1).mean()),
+        }, None
+    tel, m = telemetry(cfg, prob, batch, q_lp, o, m_first)
+    totals = stats.totals()
+    return row | tel | {
+        "pbar_ones_per_row": totals["pbar_ones"] / totals["rows"],
+        "fix_rows": totals["rows_triggered"] / totals["rows"],
+    }, m
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch on one thread: these tensors are tiny, and a second thread only adds overhead (and on a
+    shared 2-core machine, 5x contention)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@single_thread()
+def run_arm(
+    cfg: ControlConfig, placement: str, arm: str, optimizer: str = "adam", progress: tqdm | None = None
+) -> dict:
+    """Train W_Q for cfg.steps in one arm; returns {"series": per-step lists, "summary": numbers}."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    precision, fix = arm_precision(placement, arm, cfg.beta)
+    prob = make_problem(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    w = prob.w0.clone().requires_grad_(True)
+    opt = (
+        torch.optim.Adam([w], lr=cfg.lr, betas=ADAM_BETAS)
+        if optimizer == "adam"
+        else torch.optim.SGD([w], lr=cfg.sgd_lr)
+    )
+    series: dict[str, list[float]] = {}
+    m_first, prev_update = None, None
+    for _ in range(cfg.steps):
+        opt.zero_grad()
+        row, m = step(cfg, prob, w, sample_batch(cfg, prob, gen), precision, fix, m_first)
+        m_first = m if m_first is None else m_first
+        before = w.detach().clone()
+        opt.step()
+        update = w.detach() - before
+        row |= {
+            "w_r": float(((w.detach() - prob.w0) * prob.r).sum()),
+            "w_norm": float(torch.linalg.matrix_norm(w.detach(), 2)),
+            "update_norm": float(update.norm()),
+            "update_cos_r": cos(update, prob.r),
+            "update_cos_prev": cos(update, prev_update) if prev_update is not None else float("nan"),
+        }
+        prev_update = update
+        for key, value in row.items():
+            series.setdefault(key, []).append(value)
+        if progress is not None:
+            progress.update(1)
+    return {"series": series, "summary": summarize(series, prob, cfg)}
+
+
+@single_thread()
+def bias_probe(cfg: ControlConfig, placement: str, arm: str, batches: int = 100) -> dict:
+    """The per-step δ error and W_Q gradient error on R at the initial weights (no training), as t-stats."""
+    precision, fix = arm_precision(placement, arm, cfg.beta)
+    if precision is None:
+        raise ValueError("bias_probe compares an lp arm with float64; arm must not be 'reference'")
+    prob = make_problem(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    rows = []
+    for _ in range(batches):
+        w = prob.w0.clone().requires_grad_(True)
+        rows.append(step(cfg, prob, w, sample_batch(cfg, prob, gen), precision, fix)[0])
+    delta, g_err = [r["delta_err"] for r in rows], [r["g_err_r"] for r in rows]
+    return {
+        "delta_err_mean": sum(delta) / batches,
+        "delta_err_t": t_stat(delta),
+        "g_err_r_mean": sum(g_err) / batches,
+        "g_err_r_t": t_stat(g_err),
+        "pbar_ones_per_row": sum(r["pbar_ones_per_row"] for r in rows) / batches,
+    }
+
+
+def delta_identity(seed: int = 0, seq: int = 64, head_dim: int = 16, d_model: int = 32) -> dict:
+    """Check Eq. (1) and (2) on the instrument: two backward passes that differ ONLY in δ.
+
+    fp32 q, k, v (tied sink keys, same-sign V: lowprec.attention.inputs.tied_qkv), precision
+    "fp32:output=bf16" (only O is rounded), and the emulator's backward run twice: with δ from the saved
+    bf16 O ("lp") and from the unrounded acc/l ("hp", o_for_delta="fp32"). Then dQ_hp - dQ_lp must equal
+    α diag(δ_lp - δ_hp) (PK) (Eq. 1) and, with Q = X W^T, dW_hp - dW_lp = α Σ_T (δ_lp - δ_hp)[T]
+    (PK)[T]^T X[T] (Eq. 2). Returns the largest |difference| and |difference - prediction| for each.
+    """
+    from lowprec.attention.inputs import tied_qkv
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = tied_qkv((1, 1, seq, head_dim), ties=4, v_mean=-1.5, v_std=0.5, seed=seed, dtype=torch.float32)
+    do = -1.0 + torch.randn(q.shape, generator=gen)
+    x = torch.randn(seq, d_model, generator=gen)
+    grads, outs = {}, {}
+    for name, o_for_delta in (("lp", "saved"), ("hp", "fp32")):
+        qq = q.clone().requires_grad_(True)
+        o = emulated_attention(qq, k, v, causal=True, precision="fp32:output=bf16", o_for_delta=o_for_delta)
+        o.backward(do)
+        grads[name] = qq.grad.double()[0, 0]
+    outs["lp"] = emulated_attention(q, k, v, causal=True, precision="fp32:output=bf16").double()
+    outs["hp"] = emulated_attention(q, k, v, causal=True, precision="fp32").double()
+    delta = {name: (do.double() * o).sum(-1)[0, 0] for name, o in outs.items()}
+    _, lse = reference_attention(q, k, v, causal=True)
+    scale = 1.0 / math.sqrt(head_dim)
+    s = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(
+        torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf")
+    )
+    pk = (torch.exp(s - lse[..., None]) @ k.double())[0, 0]
+    d_err = delta["lp"] - delta["hp"]
+    dq_diff, dq_pred = grads["hp"] - grads["lp"], scale * d_err[:, None] * pk
+    dw_diff, dw_pred = dq_diff.T @ x.double(), scale * torch.einsum("t,td,tc->dc", d_err, pk, x.double())
+    return {
+        "delta_err_max": float(d_err.abs().max()),
+        "dq_diff_max": float(dq_diff.abs().max()),
+        "dq_residual_max": float((dq_diff - dq_pred).abs().max()),
+        "dw_diff_max": float(dw_diff.abs().max()),
+        "dw_residual_max": float((dw_diff - dw_pred).abs().max()),
+    }
+
+
+def t_stat(values: list[float]) -> float:
+    x = torch.tensor(values, dtype=torch.float64)
+    se = float(x.std()) / math.sqrt(len(x)) if len(x) > 1 else 0.0
+    return float(x.mean()) / se if se > 0 else 0.0
+
+
+def slope(values: list[float]) -> float:
+    """Least-squares slope per step."""
+    y = torch.tensor(values, dtype=torch.float64)
+    t = torch.arange(len(y), dtype=torch.float64)
+    t -= t.mean()
+    return float((t * (y - y.mean())).sum() / (t * t).sum()) if len(y) > 1 else 0.0
+
+
+def summarize(series: dict[str, list[float]], prob: Problem, cfg: ControlConfig) -> dict:
+    """Drift numbers of one arm: final ⟨W - W0, R⟩ and its slope, t-stats, one-signedness, norm growth."""
+    w0_norm = float(torch.linalg.matrix_norm(prob.w0, 2))
+    out = {
+        "w_r_final": series["w_r"][-1],
+        "w_r_slope": slope(series["w_r"]),
+        "w_norm_growth": series["w_norm"][-1] / w0_norm,
+        "update_cos_r_mean": sum(series["update_cos_r"]) / cfg.steps,
+        "update_cos_prev_mean": sum(series["update_cos_prev"][1:]) / max(cfg.steps - 1, 1),
+        "task_first": series["task_hp"][0],
+        "task_last": sum(series["task_hp"][-10:]) / len(series["task_hp"][-10:]),
+        "content_mass_first": series["content_mass"][0],
+        "content_mass_last": series["content_mass"][-1],
+        "task_lost_last": sum(series["task_hp"][-10:]) / sum(series["task_ceiling"][-10:]),
+        "collapse_step": next(
+            (i for i, m in enumerate(series["content_mass"]) if m < COLLAPSE * series["content_mass"][0]),
+            None,
+        ),
+    }
+    if "delta_err" in series:
+        cum = torch.tensor(series["delta_err"], dtype=torch.float64).cumsum(0)
+        sign = math.copysign(1.0, float(cum[-1]))
+        out |= {
+            "delta_err_t": t_stat(series["delta_err"]),
+            "delta_err_cum": float(cum[-1]),
+            "delta_cum_same_sign_frac": float((cum * sign > 0).double().mean()),
+            "g_err_r_t": t_stat(series["g_err_r"]),
+            "pred_r_t": t_stat(series["pred_r"]),
+            "g_err_cos_pred_mean": sum(series["g_err_cos_pred"]) / cfg.steps,
+            "rank1_token_cos_mean": sum(series["rank1_token_cos"]) / cfg.steps,
+            "rank1_step_cos_last": series["rank1_step_cos"][-1],
+            "pbar_ones_per_row": sum(series["pbar_ones_per_row"]) / cfg.steps,
+            "fix_rows": sum(series["fix_rows"]) / cfg.steps,
+        }
+    return out
+
+
+def run_control(
+    cfg: ControlConfig,
+    placements: tuple[str, ...] = PLACEMENTS,
+    arms: tuple[str, ...] = ARMS,
+    optimizers: tuple[str, ...] = OPTIMIZERS,
+    show_progress: bool = True,
+) -> dict:
+    """Every (placement, optimizer, arm) run on identical init and data: {"config", "runs": {key: run}}.
+
+    Keys are "<placement>/<optimizer>/<arm>"; the reference arm does not depend on the placement and is run
+    once per optimizer, under the key "fp64/<optimizer>/reference".
+    """
+    jobs = [(p, o, a) for o in optimizers for p in placements for a in arms if a != "reference"] + [
+        ("fa2", o, "reference") for o in optimizers if "reference" in arms
+    ]
+    runs = {}
+    with tqdm(total=len(jobs) * cfg.steps, disable=not show_progress, desc="positive control") as bar:
+        for placement, optimizer, arm in jobs:
+            key = f"{'fp64' if arm == 'reference' else placement}/{optimizer}/{arm}"
+            runs[key] = run_arm(cfg, placement, arm, optimizer, bar)
+    return {"config": asdict(cfg), "runs": runs}
+
+
+def format_summary(result: dict) -> str:
+    """One line per run: drift on R, its slope, ||W||_2 growth, t-stats, one-signedness, P̄ = 1 per row,
+    fraction of the task lost at the end, content mass first > last, collapse step."""
+    nan = float("nan")
+    lines = [
+        f"{'run':<22}{'<W-W0,R>':>9}{'slope':>10}{'|W|/|W0|':>9}{'t(δerr)':>8}{'t(gerr·R)':>10}"
+        f"{'cumδ 1-sign':>12}{'P̄=1/row':>9}{'task lost':>10}{'content mass':>15}{'collapse':>9}"
+    ]
+    for key, run in result["runs"].items():
+        s = run["summary"]
+        collapse = "-" if s["collapse_step"] is None else str(s["collapse_step"])
+        lines.append(
+            f"{key:<22}{s['w_r_final']:>+9.3f}{s['w_r_slope']:>+10.2e}{s['w_norm_growth']:>9.2f}"
+            f"{s.get('delta_err_t', nan):>+8.1f}{s.get('g_err_r_t', nan):>+10.1f}"
+            f"{s.get('delta_cum_same_sign_frac', nan):>12.2f}{s.get('pbar_ones_per_row', nan):>9.2f}"
+            f"{s['task_lost_last']:>10.2f}{s['content_mass_first']:>8.3f}>{s['content_mass_last']:<6.3f}"
+            f"{collapse:>9}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    for name, value in asdict(ControlConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    for name, allowed in (("placements", PLACEMENTS), ("arms", ARMS), ("optimizers", OPTIMIZERS)):
+        parser.add_argument(
+            f"--{name}", type=comma_list(allowed), default=allowed, help=f"comma list of {', '.join(allowed)}"
+        )
+    parser.add_argument(
+        "--out", default=None, help="write the record here (e.g. results/positive-control/x.json)"
+    )
+    parser.add_argument("--series", action="store_true", help="also store the per-step series in the record")
+
+
+def comma_list(allowed: tuple[str, ...]):
+    """An argparse type: "a,b" -> ("a", "b"), each one of `allowed`."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(filter(None, text.split(",")))
+        if not items or any(i not in allowed for i in items):
+            raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(allowed)}; got {text!r}")
+        return items
+
+    return parse
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = ControlConfig(**{name: getattr(args, name) for name in asdict(ControlConfig())})
+    except ValueError as exc:
+        raise SystemExit(f"lowprec experiment positive-control: {exc}") from None
+    result = run_control(cfg, args.placements, args.arms, args.optimizers)
+    print(format_summary(result))
+    if args.out:
+        from lowprec.runs import provenance, write_json
+
+        record = {
+            "provenance": provenance(),
+            "config": result["config"],
+            "summary": {key: run["summary"] for key, run in result["runs"].items()},
+        }
+        if args.series:
+            record["series"] = {key: run["series"] for key, run in result["runs"].items()}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.out, record)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+__all__ = [
+    "ARMS",
+    "OPTIMIZERS",
+    "PLACEMENTS",
+    "ControlConfig",
+    "bias_probe",
+    "delta_identity",
+    "format_summary",
+    "make_problem",
+    "run_arm",
+    "run_control",
+    "sample_batch",
+]
