@@ -1,6 +1,7 @@
 """The Triton kernels: bit-identical to emulated_attention under TRITON_INTERPRET=1 (with lowprec's
 interpreter patch), within FlashAttention's error rule against float64, and a guard that the patch is
-active."""
+active. On a CUDA machine (TRITON_INTERPRET unset) the interpreter-only tests skip and the others run the
+compiled kernels on the GPU."""
 
 import os
 import subprocess
@@ -19,6 +20,8 @@ from lowprec.formats import round_to
 triton = pytest.importorskip("triton")
 tl = triton.language
 on_cpu = pytest.mark.skipif(not tk.INTERPRET, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+on_gpu = pytest.mark.skipif(tk.INTERPRET, reason="needs a CUDA GPU (compiled kernels)")
+DEVICE = "cpu" if tk.INTERPRET else "cuda"  # where the kernels run: the interpreter (CPU) or the GPU
 
 
 @triton.jit
@@ -147,6 +150,16 @@ def test_kernel_bit_identical_several_seeds(seed):
 
 
 @on_cpu
+def test_fix_without_counters_is_the_same_forward():
+    """The fast path (no counters: WITH_STATS off) computes the same o and lse as the instrumented one."""
+    q, k, v = tied_qkv((1, 2, 150, 32), seed=3)
+    for causal in (False, True):
+        o, lse, stats = tk.flash_attention(q, k, v, causal, fix=Fix(), return_lse=True, return_stats=True)
+        fast_o, fast_lse = tk.flash_attention(q, k, v, causal, fix=Fix(), return_lse=True)
+        assert torch.equal(o, fast_o) and torch.equal(lse, fast_lse) and stats.totals()["rows_triggered"] > 0
+
+
+@on_cpu
 @pytest.mark.parametrize("n,block_m,block_n", [(1, 64, 128), (17, 16, 16), (100, 32, 64), (129, 64, 32)])
 def test_kernel_bit_identical_any_blocks(n, block_m, block_n):
     """Masked and unmasked tile loops, tails and tiny sequences, for unequal query and key block sizes."""
@@ -157,10 +170,9 @@ def test_kernel_bit_identical_any_blocks(n, block_m, block_n):
         assert_bit_identical(*run_both(q, k, v, do, causal=causal, fix=Fix(), **blocks))
 
 
-@on_cpu
 def test_kernel_within_flash_attention_rule():
     gen = torch.Generator().manual_seed(7)
-    q, k, v, do = (torch.randn(1, 2, 160, 64, generator=gen).bfloat16() for _ in range(4))
+    q, k, v, do = (torch.randn(1, 2, 160, 64, generator=gen).bfloat16().to(DEVICE) for _ in range(4))
     results = {}
     for name, fn in (
         ("kernel", tk.flash_attention),
@@ -175,10 +187,9 @@ def test_kernel_within_flash_attention_rule():
         assert err <= 2 * (m.double() - r).abs().max().item() + 1e-4
 
 
-@on_cpu
 def test_kernel_stochastic_rounding_is_seeded():
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).bfloat16() for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).bfloat16().to(DEVICE) for _ in range(3))
     prec = "fa2:weights=e8m3@stochastic"
     a, b, c = (tk.flash_attention(q, k, v, precision=prec, seed=s) for s in (1, 1, 2))
     assert torch.equal(a, b) and not torch.equal(a, c)
@@ -188,10 +199,9 @@ def test_kernel_stochastic_rounding_is_seeded():
     assert abs((a.double() - ref).mean().item()) < 1e-3
 
 
-@on_cpu
 def test_stochastic_bits_are_uniform():
     """Stochastic rounding of 1 + u/8 to 3 significand bits (grid 1, 1.125) rounds up with probability u."""
-    x = torch.full((4096,), 1 + 0.3125 / 8)
+    x = torch.full((4096,), 1 + 0.3125 / 8, device=DEVICE)
     y = torch.empty_like(x)
     _round_probe[(1,)](x, y, 7)
     assert set(y.unique().tolist()) == {1.0, 1.125}
@@ -204,7 +214,6 @@ def _round_probe(X, Y, seed, CODE: tl.constexpr = 4 | 8 << 4 | 3 << 8):
     tl.store(Y + i, tk._round(tl.load(X + i), CODE, seed, 1, i))
 
 
-@on_cpu
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # inf inputs overflow n * 2^q, as intended
 @pytest.mark.parametrize("fmt", ["e8m3", "fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "e5m6", "e3m2"])
 def test_kernel_integer_rounding_matches_round_to(fmt):
@@ -215,9 +224,10 @@ def test_kernel_integer_rounding_matches_round_to(fmt):
     x = torch.randn(4096, generator=gen) * scale
     specials = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 464.0, 1.5 * 2.0**-130, 65520.0]
     x[: len(specials)] = torch.tensor(specials)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, device=DEVICE)
     code = tk.NEAREST | fmt.exp_bits << 4 | fmt.man_bits << 8 | int(fmt.no_inf) << 13
-    _round_probe[(1,)](x, y, 0, CODE=code)
+    _round_probe[(1,)](x.to(DEVICE), y, 0, CODE=code)
+    y = y.cpu()
     expected = round_to(x, fmt)
     assert torch.equal(y.view(torch.int32)[~x.isnan()], expected.view(torch.int32)[~x.isnan()])
     assert y[x.isnan()].isnan().all()
@@ -234,16 +244,16 @@ def test_kernels_compile_for_h200():
 
 
 def test_dispatch_reaches_the_kernel():
-    q, k, v = (torch.randn(1, 2, 40, 16).bfloat16() for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 40, 16).bfloat16().to(DEVICE) for _ in range(3))
     via_dispatch = attention(q, k, v, backend="triton", fix=Fix())
     assert torch.equal(via_dispatch, tk.flash_attention(q, k, v, fix=Fix()))
 
 
 def test_kernel_value_errors():
-    q, k, v = (torch.randn(1, 1, 32, 16).bfloat16() for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 32, 16, device=DEVICE).bfloat16() for _ in range(3))
     bad_calls = [
-        lambda: tk.flash_attention(*(torch.randn(1, 1, 32, 8).bfloat16() for _ in range(3))),
-        lambda: tk.flash_attention(*(torch.randn(1, 1, 32, 256).bfloat16() for _ in range(3))),
+        lambda: tk.flash_attention(*(torch.randn(1, 1, 32, 8, device=DEVICE).bfloat16() for _ in range(3))),
+        lambda: tk.flash_attention(*(torch.randn(1, 1, 32, 256, device=DEVICE).bfloat16() for _ in range(3))),
         lambda: tk.flash_attention(q.double(), k.double(), v.double()),
         lambda: tk.flash_attention(q, k, v, precision="fa2:output=fp32"),
         lambda: tk.flash_attention(q, k, v, block_m=48),
@@ -263,9 +273,7 @@ def test_interpreter_helpers_round_to_nearest_even():
     assert np.array_equal(bits, x.bfloat16().view(torch.int16).numpy().view(np.uint16))
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or tk.INTERPRET, reason="needs a CUDA GPU (compiled kernels)"
-)
+@on_gpu
 def test_gpu_kernel_matches_emulator_statistically():
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(2, 4, 1000, 128, generator=gen, device="cuda").bfloat16() for _ in range(4))

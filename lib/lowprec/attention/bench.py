@@ -7,7 +7,10 @@ halved for causal. Total tokens per configuration are constant (B·N = --tokens,
 H·D = 2048), as in the FlashAttention papers. Times are medians of triton.testing.do_bench on a GPU; with
 --smoke on a CPU one tiny case runs once through Triton's interpreter, only to check the code path.
 
-    lowprec bench attention --out results/attention/bench.json     # ~3 min on one H200 (autotuning included)
+Rows of our kernel record the autotuner's picks (`configs`); `fix_overhead` lists, per configuration, how much
+slower the Fix makes our kernel (time ratio - 1, fwd and fwd+bwd) and our speed relative to SDPA's flash.
+
+    lowprec bench attention --out results/attention/bench.json     # ~4 min on one H200 (compiles included)
     lowprec bench attention --smoke                                # CPU, seconds
 """
 
@@ -49,7 +52,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", choices=("false", "true", "both"), default="both")
     parser.add_argument("--tokens", type=int, default=16384, help="batch x seq per configuration")
     parser.add_argument(
-        "--budget", type=float, default=240.0, help="seconds; later configurations are skipped"
+        "--budget",
+        type=float,
+        default=240.0,
+        help="seconds; no new (seq, head dim, causal) configuration starts after this (results are kept)",
     )
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
@@ -136,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     impls, skipped = implementations(device)
+    from lowprec.attention.triton_kernels import autotuned_configs
+
     record = {
         "provenance": provenance(),
         "args": vars(args),
@@ -148,24 +156,51 @@ def run(args: argparse.Namespace) -> int:
         for head_dim in dims:
             for causal in causals:
                 batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
+                over_budget = time.perf_counter() - start > args.budget  # all implementations or none
                 for name, fn in impls.items():
                     row = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}
                     row["causal"] = causal
-                    if time.perf_counter() - start > args.budget:
+                    if over_budget:
                         row["skipped"] = "time budget"
                     else:
                         try:
                             row |= bench_one(fn, batch, heads, seq, head_dim, causal, device)
+                            if name.startswith("triton"):
+                                row["configs"] = autotuned_configs()
                         except Exception as exc:
                             row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
                     record["results"].append(row)
                     if args.out:
                         write_json(args.out, record)
     record["seconds"] = round(time.perf_counter() - start, 1)
+    record["fix_overhead"] = fix_overhead(record["results"])
     if args.out:
         write_json(args.out, record)
     print(table(record))
     return 0
+
+
+def fix_overhead(results: list[dict]) -> list[dict]:
+    """Per configuration: time(triton+fix) / time(triton) - 1 and TFLOP/s(triton) / TFLOP/s(sdpa-flash),
+    for fwd and fwd+bwd (where both were measured)."""
+    rows: dict[tuple, dict] = {}
+    for r in results:
+        if "fwd_ms" in r:
+            rows.setdefault((r["seq"], r["head_dim"], r["causal"]), {})[r["impl"]] = r
+    out = []
+    for (seq, head_dim, causal), impls in rows.items():
+        entry = {"seq": seq, "head_dim": head_dim, "causal": causal}
+        for mode in ("fwd", "fwd+bwd"):
+            if "triton" in impls and "triton+fix" in impls:
+                entry[f"{mode}_fix_overhead"] = round(
+                    impls["triton+fix"][f"{mode}_ms"] / impls["triton"][f"{mode}_ms"] - 1, 4
+                )
+            if "triton" in impls and "sdpa-flash" in impls:
+                entry[f"{mode}_vs_flash"] = round(
+                    impls["sdpa-flash"][f"{mode}_ms"] / impls["triton"][f"{mode}_ms"], 3
+                )
+        out.append(entry)
+    return out
 
 
 def table(record: dict) -> str:
@@ -179,6 +214,15 @@ def table(record: dict) -> str:
         )
     for name, why in record["skipped"].items():
         lines.append(f"skipped {name}: {why}")
+    lines.append(
+        f"{'seq':>6} {'D':>4} {'causal':>6}  Fix overhead fwd, fwd+bwd   speed vs sdpa-flash fwd, fwd+bwd"
+    )
+    for e in record.get("fix_overhead", []):
+        cells = [
+            f"{e[k]:>+8.1%}" if k in e else f"{'-':>8}" for k in ("fwd_fix_overhead", "fwd+bwd_fix_overhead")
+        ]
+        cells += [f"{e[k]:>8.3f}x" if k in e else f"{'-':>9}" for k in ("fwd_vs_flash", "fwd+bwd_vs_flash")]
+        lines.append(f"{e['seq']:>6} {e['head_dim']:>4} {e['causal']!s:>6}  {' '.join(cells)}")
     lines.append(f"device: {record['provenance'].get('device')}; {record.get('seconds')} s")
     return "\n".join(lines)
 

@@ -23,8 +23,12 @@ Design
   from a counter-based hash of (seed, batch*head, point, element), so a run is reproducible from its seed;
   they are not the bits the emulator draws from its torch.Generator.
 - Block sizes: under the interpreter BLOCK_M = BLOCK_N = 64 (or Precision.tile, or block_m/block_n), the same
-  tiles as emulated_attention's defaults. On a GPU the kernels are autotuned (BLOCK_M, warps, stages; the
-  forward keeps BLOCK_N = 64 so that per-tile tie detection does not depend on the chosen config).
+  tiles as emulated_attention's defaults. On a GPU the kernels are autotuned over a few Hopper configs
+  (BLOCK_M, warps, stages; the forward keeps BLOCK_N = 64 so that per-tile tie detection does not depend on
+  the chosen config); the Fix and precision constexprs are part of the autotune key. The kernels do not
+  specialise on N, so one compiled variant serves every sequence length.
+- Cost of the Fix (tie="tile"): per score one compare that yields 1.0 / 0.0 and one fp32 add (the tie count),
+  per row a few selects; the counters are computed and stored only when WITH_STATS.
 
 Under TRITON_INTERPRET=1 (CPU) interpreter.py's patch is applied at import, and the kernels are bit-identical
 to emulated_attention (o, lse, delta, dq, dk, dv, counters) for round-to-nearest precisions. If CUDA is not
@@ -33,7 +37,9 @@ available and TRITON_INTERPRET is unset, importing this module sets TRITON_INTER
 What differs on a GPU (so GPU results match the emulator only statistically, not bit for bit):
 - tl.dot runs on tensor cores: exact products but a hardware-specific multi-term accumulation with truncated
   alignment, not one rounding of the exact sum;
-- tl.exp / tl.log lower to ex2.approx / lg2.approx (about 2 ulp, subnormals flushed to zero);
+- tl.exp / tl.log lower to ex2.approx / lg2.approx (about 2 ulp, subnormals flushed to zero; the argument is
+  first multiplied by log2(e) in fp32, which adds an error growing with |x|); fp32 inputs use libdevice's
+  exp / log instead (about 1 ulp);
 - tl.sum / tl.max reduce in a tree across lanes and warps;
 - the compiler fuses a*b + c into FMAs (e.g. l * alpha + rowsum, s * scale - m), one rounding instead of two;
 - (the output division o = acc / l uses tl.div_rn, so it is IEEE-rounded on a GPU too.)
@@ -41,6 +47,7 @@ What differs on a GPU (so GPU results match the emulator only statistically, not
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -51,6 +58,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") is None:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.language.extra import libdevice  # noqa: E402
 
 from lowprec.attention import interpreter  # noqa: E402
 from lowprec.attention.emulated import make_config, softmax_scale  # noqa: E402
@@ -70,6 +78,9 @@ from lowprec.attention.reference import check_qkv  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     interpreter.apply()
+# fp32 inputs on a GPU use libdevice's exp / log (~1 ulp) instead of ex2.approx(x * log2 e), whose error
+# grows with |x|; under the interpreter both are the patched, exactly rounded functions
+LIBDEVICE = tl.constexpr(not INTERPRET)
 
 HEAD_DIMS = (16, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -172,6 +183,26 @@ def _round(x, CODE: tl.constexpr, seed, stream, idx):
 
 
 @triton.jit
+def _exp(x, IEEE: tl.constexpr):
+    """exp in fp32: fast (ex2.approx) for bf16 / fp16 inputs, libdevice's for fp32 inputs on a GPU."""
+    if IEEE and LIBDEVICE:  # noqa: SIM108 (a constexpr branch)
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log(x, IEEE: tl.constexpr):
+    """log in fp32, as `_exp` chooses."""
+    if IEEE and LIBDEVICE:  # noqa: SIM108 (a constexpr branch)
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y
+
+
+@triton.jit
 def _fix_shift(r, ties, beta, min_gap, max_gap):
     """Mirror of precision.fix_shift: (shift, triggered, fallback) for row maxima r."""
     triggered = ties & (r > float("-inf"))
@@ -230,15 +261,17 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, n_ones,
     s = _scores(q, kt, offs_m, offs_n, N, scale, MASK, CAUSAL, C_SCORES, IEEE)
     r = tl.max(s, 1)
     if FIX == 1:
-        ties = (tl.sum((s >= (r - tol)[:, None]).to(tl.int32), 1) > 1) & (r > float("-inf"))
+        # count in fp32 (a compare that yields 1.0 / 0.0, then FADDs): cheaper on a GPU than an int count
+        ties = (tl.sum(tl.where(s >= (r - tol)[:, None], 1.0, 0.0), 1) > 1.0) & (r > float("-inf"))
         shift, triggered, fallback = _fix_shift(r, ties, beta, min_gap, max_gap)
-        n_trig += triggered.to(tl.int32)
-        n_fallback += fallback.to(tl.int32)
+        if WITH_STATS:
+            n_trig += triggered.to(tl.int32)
+            n_fallback += fallback.to(tl.int32)
     else:
         shift = r
     m_new = tl.maximum(m_i, shift)
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    alpha = _exp(m_i - m_new, IEEE)
+    p = _exp(s - m_new[:, None], IEEE)
     row_idx = offs_m * N + start_n
     l_i = _round(l_i * alpha + tl.sum(p, 1), C_ROWSUM, seed, bh * 8 + ROWSUM, row_idx)
     v = _load(V, offs_n, offs_d, N, D, False)
@@ -266,7 +299,7 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, n_ones,
     return m_new, l_i, acc, n_ones, n_ties, n_near, n_trig, n_fallback
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["N", "seed"])
 def _fwd(Q, K, V, O, LSE, STATS, N, scale, beta, tol, min_gap, max_gap, near_tol, seed, D: tl.constexpr,
          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
          FIX: tl.constexpr, WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr,
@@ -324,7 +357,7 @@ def _fwd(Q, K, V, O, LSE, STATS, N, scale, beta, tol, min_gap, max_gap, near_tol
     row_ok = offs_m < N
     tl.store(O + offs_m[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + tl.log(l_i), mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + _log(l_i, IEEE), mask=row_ok)
     if WITH_STATS:
         stats = STATS + bh.to(tl.int64) * N + offs_m
         plane = tl.num_programs(1).to(tl.int64) * N
@@ -335,7 +368,7 @@ def _fwd(Q, K, V, O, LSE, STATS, N, scale, beta, tol, min_gap, max_gap, near_tol
         tl.store(stats + 4 * plane, n_fallback, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _delta(O, DO, DELTA, N, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), fp32 products and sum, O as stored."""
     pid_m = tl.program_id(0)
@@ -364,14 +397,14 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N, scal
         if CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :])
         st = tl.where(valid, st, float("-inf"))
-    pt = tl.exp(st - lse[None, :])
+    pt = _exp(st - lse[None, :], IEEE)
     dv = _dot(pt.to(DO.dtype.element_ty), do, dv, IEEE)
     dst = pt * (_dot(v, tl.trans(do), None, IEEE) - delta[None, :])
     dk = _dot(dst.to(Q.dtype.element_ty), tl.trans(qt), dk, IEEE)
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, N, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
           C_SCORES: tl.constexpr):
@@ -418,12 +451,12 @@ def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N, scale, D: 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kt = _load(K, offs_n, offs_d, N, D, True)
     s = _scores(q, kt, offs_m, offs_n, N, scale, MASK, CAUSAL, C_SCORES, IEEE)
-    p = tl.exp(s - lse[:, None])
+    p = _exp(s - lse[:, None], IEEE)
     ds = p * (_dot(do, _load(V, offs_n, offs_d, N, D, True), None, IEEE) - delta[:, None])
     return _dot(ds.to(q.dtype), tl.trans(kt), dq, IEEE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _dq(Q, K, V, DO, LSE, DELTA, DQ, N, scale, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """dQ of one query block: key tiles in increasing order, unmasked ones first (no atomics)."""
@@ -458,19 +491,43 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, N, scale, D: tl.constexpr, BLOCK_D: tl.cons
 # ------------------------------------------------------------------------------------------ launch (Python)
 
 
-def _tuned(kernel, configs: list[triton.Config]):
-    return triton.autotune(configs, key=["N", "D", "CAUSAL"])(kernel)
+def _tuner_bench(fn, quantiles):
+    """The autotuner's timer: short runs (triton's default, 25 + 100 ms per config, dominated benchmarks)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _configs(shapes, warps=(4, 8), stages=(2, 3)) -> list[triton.Config]:
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn in shapes for w in warps for s in stages]
+def _spill_free(configs, nargs, rows: str, **kwargs):
+    """Configs whose fp32 accumulators (`rows` x BLOCK_D each) take <= 64 registers per thread: larger ones
+    spill on sm_90 (as ptxas reports for compile_for_gpu's builds)."""
+    kept = [c for c in configs if c.kwargs[rows] * kwargs["BLOCK_D"] <= 64 * 32 * c.num_warps]
+    return kept or configs[:1]
 
 
-# 8 + 12 + 12 configs: the first call at a new (N, head_dim, causal) compiles and times each (a few minutes)
-_fwd_tuned = _tuned(_fwd, _configs(((128, FWD_BLOCK_N), (64, FWD_BLOCK_N))))
-_dkdv_tuned = _tuned(_dkdv, _configs(((32, 128), (64, 64), (64, 128))))
-_dq_tuned = _tuned(_dq, _configs(((128, 32), (64, 64), (128, 64))))
+def _tuned(kernel, configs: list[tuple[int, int, int, int]], rows: str, keys=()):
+    """`kernel` autotuned over (BLOCK_M, BLOCK_N, warps, stages); one pick per shape and constexpr variant."""
+    return triton.autotune(
+        [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in configs],
+        key=["N", "D", "CAUSAL", "IEEE", "C_SCORES", *keys], do_bench=_tuner_bench,
+        prune_configs_by={"early_config_prune": functools.partial(_spill_free, rows=rows)},
+    )(kernel)
+
+
+# A few configs each (Hopper choices as in Triton's fused-attention tutorial; stages barely matter here): a
+# new (head_dim, causal, variant) compiles each once (~1 s), a new N re-times them (~0.1 s). The forward's
+# key tile stays FWD_BLOCK_N; the Fix's constexprs are in the key, so Fix on and off get their own picks.
+_fwd_tuned = _tuned(
+    _fwd, [(128, FWD_BLOCK_N, 8, 3), (128, FWD_BLOCK_N, 4, 3), (64, FWD_BLOCK_N, 4, 3)], "BLOCK_M",
+    keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "C_WEIGHTS", "C_ROWSUM", "C_PRODUCT", "C_ACC",
+          "C_OUTPUT"),
+)
+_dkdv_tuned = _tuned(_dkdv, [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2), (32, 128, 4, 3)], "BLOCK_N")
+_dq_tuned = _tuned(_dq, [(128, 64, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2)], "BLOCK_M")
+
+
+def autotuned_configs() -> dict[str, str]:
+    """The autotuner's picks for the latest forward, dK/dV and dQ launches (for benchmark records)."""
+    tuned = {"fwd": _fwd_tuned, "dkdv": _dkdv_tuned, "dq": _dq_tuned}
+    return {name: str(t.best_config) for name, t in tuned.items() if getattr(t, "best_config", None)}
 
 
 @dataclass
@@ -600,10 +657,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def compile_for_gpu(arch: int = 90, head_dim: int = 128) -> dict[str, int]:
-    """Compile the bf16 kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton): the fa2 forward,
-    the forward with the Fix and counters, dK/dV and dQ, at their first autotune configs. Returns each
-    kernel's shared memory in bytes. Needs compiled (not interpreted) kernels: import this module with
-    TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
+    """Compile the kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton): the bf16 fa2 forward,
+    the forward with the Fix and counters, the fp32 forward, dK/dV and dQ, at their first autotune configs.
+    Returns each kernel's shared memory in bytes. Needs compiled (not interpreted) kernels: import this module
+    with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget
@@ -615,13 +672,18 @@ def compile_for_gpu(arch: int = 90, head_dim: int = 128) -> dict[str, int]:
     base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False, C_SCORES=NONE)
     fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True, C_WEIGHTS=CAST_BF16, C_ROWSUM=NONE,
                C_PRODUCT=NONE, C_ACC=NONE, C_OUTPUT=CAST_BF16)
-    builds = {"forward": (_fwd_tuned, fwd), "forward+fix": (_fwd_tuned, dict(fwd, FIX=1, WITH_STATS=True)),
-              "dkdv": (_dkdv_tuned, base), "dq": (_dq_tuned, base)}
+    builds = {  # name: (kernel, constexprs, input dtype)
+        "forward": (_fwd_tuned, fwd, "bf16"),
+        "forward+fix": (_fwd_tuned, dict(fwd, FIX=1, WITH_STATS=True), "bf16"),
+        "forward fp32": (_fwd_tuned, dict(fwd, IEEE=True, C_WEIGHTS=NONE, C_OUTPUT=NONE), "fp32"),
+        "dkdv": (_dkdv_tuned, base, "bf16"),
+        "dq": (_dq_tuned, base, "bf16"),
+    }
     shared = {}
-    for name, (tuned, constexprs) in builds.items():
+    for name, (tuned, constexprs, dtype) in builds.items():
         config = tuned.configs[0]
         constexprs = dict(constexprs, **config.kwargs)
-        signature = {arg: "constexpr" if arg in constexprs else "*bf16" if arg in pointers
+        signature = {arg: "constexpr" if arg in constexprs else f"*{dtype}" if arg in pointers
                      else scalars.get(arg, "fp32") for arg in tuned.fn.arg_names}
         kernel = triton.compile(ASTSource(tuned.fn, signature, constexprs), target=target,
                                 options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
