@@ -145,6 +145,17 @@ PAGE_CHECK = """() => {
 }"""
 
 
+# MathJax is a deferred script: on a heavy page it may not have started when the network goes idle, so wait
+# for its startup promise to exist (up to 30 s) before awaiting the typesetting it stands for.
+WAIT_FOR_MATHJAX = """async () => {
+  if (!document.querySelector('.math')) return true;
+  const sleep = () => new Promise(r => setTimeout(r, 100));
+  for (let i = 0; i < 300 && !window.MathJax?.startup?.promise; i++) await sleep();
+  await window.MathJax?.startup?.promise;
+  return true;
+}"""
+
+
 def test_every_page_renders_offline_in_chromium(site: Path, server: str) -> None:
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make setup` (apt-get install -y chromium)")
@@ -172,7 +183,7 @@ def check_page(browser, url: str, server: str) -> list[str]:
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
     try:
         page.goto(url, wait_until="networkidle")
-        page.evaluate("() => window.MathJax?.startup?.promise.then(() => true) ?? true")  # typesetting done
+        page.evaluate(WAIT_FOR_MATHJAX)
         page.wait_for_timeout(500)  # let widget and plot rendering settle
         state = page.evaluate(PAGE_CHECK)
     finally:
