@@ -36,7 +36,8 @@ available and TRITON_INTERPRET is unset, importing this module sets TRITON_INTER
 
 What differs on a GPU (so GPU results match the emulator only statistically, not bit for bit):
 - tl.dot runs on tensor cores: exact products but a hardware-specific multi-term accumulation with truncated
-  alignment, not one rounding of the exact sum;
+  alignment, not one rounding of the exact sum; IEEE fp32 dots run as FMA chains, cut into parts of K/4 and
+  added to the accumulator once per tile (`_ieee_dot`), which keeps fp32 errors at the level of torch's;
 - tl.exp / tl.log lower to ex2.approx / lg2.approx (about 2 ulp, subnormals flushed to zero; the argument is
   first multiplied by log2(e) in fp32, which adds an error growing with |x|); fp32 inputs use libdevice's
   exp / log instead (about 1 ulp);
@@ -79,8 +80,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
     interpreter.apply()
 # fp32 inputs on a GPU use libdevice's exp / log (~1 ulp) instead of ex2.approx(x * log2 e), whose error
-# grows with |x|; under the interpreter both are the patched, exactly rounded functions
-LIBDEVICE = tl.constexpr(not INTERPRET)
+# grows with |x|, and short FMA chains in their dots (`_ieee_dot`); under the interpreter exp / log are the
+# patched, exactly rounded functions and a dot is rounded once
+GPU = tl.constexpr(not INTERPRET)
 
 HEAD_DIMS = (16, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -185,7 +187,7 @@ def _round(x, CODE: tl.constexpr, seed, stream, idx):
 @triton.jit
 def _exp(x, IEEE: tl.constexpr):
     """exp in fp32: fast (ex2.approx) for bf16 / fp16 inputs, libdevice's for fp32 inputs on a GPU."""
-    if IEEE and LIBDEVICE:  # noqa: SIM108 (a constexpr branch)
+    if IEEE and GPU:  # noqa: SIM108 (a constexpr branch)
         y = libdevice.exp(x)
     else:
         y = tl.exp(x)
@@ -195,7 +197,7 @@ def _exp(x, IEEE: tl.constexpr):
 @triton.jit
 def _log(x, IEEE: tl.constexpr):
     """log in fp32, as `_exp` chooses."""
-    if IEEE and LIBDEVICE:  # noqa: SIM108 (a constexpr branch)
+    if IEEE and GPU:  # noqa: SIM108 (a constexpr branch)
         y = libdevice.log(x)
     else:
         y = tl.log(x)
@@ -214,9 +216,51 @@ def _fix_shift(r, ties, beta, min_gap, max_gap):
 
 
 @triton.jit
+def _split_k(a, b):
+    """dot(a, b) = dot(a0, b0) + dot(a1, b1): the even and the odd indices of the contracted dimension."""
+    a0, a1 = tl.split(tl.reshape(a, (a.shape[0], a.shape[1] // 2, 2)))
+    b0, b1 = tl.split(tl.reshape(tl.trans(b), (b.shape[1], b.shape[0] // 2, 2)))
+    return a0, a1, tl.trans(b0), tl.trans(b1)
+
+
+@triton.jit
+def _add(x, y):
+    """x + y in fp32 (add.rn), opaque to Triton: its combiner folds `dot(a, b, 0) + y` into `dot(a, b, y)`,
+    which would chain the dot's FMAs on y again."""
+    return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _ieee_dot(a, b):
+    """IEEE fp32 dot on a GPU with short FMA chains. Triton lowers it to one chain of K FMAs per output
+    element (no tensor cores), each rounding at the running sum's magnitude; so K is cut into up to four
+    interleaved parts of >= 16 whose dots are summed pairwise (chains of K/4, not K)."""
+    if a.shape[1] >= 64:
+        a0, a1, b0, b1 = _split_k(a, b)
+        a00, a01, b00, b01 = _split_k(a0, b0)
+        a10, a11, b10, b11 = _split_k(a1, b1)
+        out = _add(_add(tl.dot(a00, b00, input_precision="ieee"), tl.dot(a01, b01, input_precision="ieee")),
+                   _add(tl.dot(a10, b10, input_precision="ieee"), tl.dot(a11, b11, input_precision="ieee")))
+    elif a.shape[1] >= 32:
+        a0, a1, b0, b1 = _split_k(a, b)
+        out = _add(tl.dot(a0, b0, input_precision="ieee"), tl.dot(a1, b1, input_precision="ieee"))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
+
+
+@triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
-    """tl.dot with fp32 accumulation; IEEE fp32 products (no TF32) when IEEE."""
-    if IEEE:  # noqa: SIM108 (a constexpr branch)
+    """tl.dot with fp32 accumulation; IEEE fp32 products (no TF32) when IEEE. An IEEE dot on a GPU adds a
+    tile's dot to acc once (`_ieee_dot`) instead of chaining its FMAs on acc (N roundings at |acc| over a
+    loop of N keys or queries, up to ~7x the error of torch's fp32 kernels); in the interpreter it is one
+    rounding of the exact dot plus acc, either way."""
+    if IEEE and GPU:
+        out = _ieee_dot(a, b)
+        if acc is not None:
+            out = _add(acc, out)
+    elif IEEE:
         out = tl.dot(a, b, acc, input_precision="ieee")
     else:
         out = tl.dot(a, b, acc)
@@ -616,6 +660,10 @@ class _Flash(torch.autograd.Function):
         return (*_backward(q, k, v, o, lse, do, ctx.run), None)
 
 
+# torch.compile must not trace into the kernels: Inductor re-compiles user Triton kernels with its own
+# specialisations, which this kernel's constexpr branches do not survive (seen on an H200, torch 2.11). The
+# call becomes a graph break; the kernels themselves are already fused.
+@torch.compiler.disable
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     fix: Fix | float | bool | None = None, precision: Precision | str = "fa2",
                     seed: int | None = None, block_m: int | None = None, block_n: int | None = None,
