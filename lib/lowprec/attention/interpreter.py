@@ -87,7 +87,7 @@ def apply() -> None:
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if d.data.dtype != np.float32:
-            raise NotImplementedError("lowprec's interpreter patch supports fp32 dot accumulators only")
+            raise TypeError(f"the interpreter patch supports fp32 dot accumulators only, got {d.data.dtype}")
         exact = np.matmul(to_f64(a), to_f64(b)).astype(np.float32)
         return handle(exact + d.data, d.dtype.scalar)
 
