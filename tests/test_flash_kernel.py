@@ -282,3 +282,14 @@ def test_gpu_kernel_matches_emulator_statistically():
     q, k, v, do = (torch.randn(2, 4, 1000, 128, generator=gen, device="cuda").bfloat16() for _ in range(4))
     for fix in (None, Fix()):
         assert_within_flash_attention_rule(functools.partial(tk.flash_attention, fix=fix), q, k, v, do)
+
+
+def test_late_interpreter_switch_is_a_clear_error():
+    """Without a GPU the kernels need TRITON_INTERPRET=1 before triton's first import, else a clear error."""
+    if torch.cuda.is_available():
+        pytest.skip("only meaningful without a GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import triton\nimport lowprec.attention.triton_kernels"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "set TRITON_INTERPRET=1 in the environment" in " ".join(run.stderr.split())

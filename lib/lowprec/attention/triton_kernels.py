@@ -50,12 +50,22 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") is None:
-    os.environ["TRITON_INTERPRET"] = "1"  # no GPU: run the kernels in Triton's CPU interpreter
+    # No GPU: run the kernels in Triton's CPU interpreter. Triton decides between compiled and interpreted
+    # functions when it decorates them, its own standard library included, so this only works before the
+    # first `import triton` (torch._dynamo imports it, for one).
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "the Triton kernels need Triton's CPU interpreter on a machine without a GPU, but triton was "
+            "imported before lowprec could switch it on: set TRITON_INTERPRET=1 in the environment before "
+            "starting Python (`make test`, `make book` and `make lab` do)"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
