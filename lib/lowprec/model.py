@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lowprec.attention import BACKENDS, attention
+from lowprec.attention.reference import causal_mask, scaled_scores
 
 # Backends that honour `attn_softcap`: only the model's own math path applies a cap (see `softcap_attention`).
 SOFTCAP_BACKENDS = ("math",)
@@ -127,11 +128,8 @@ def attention_kwargs(raw: dict) -> dict:
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:
     """Causal attention with soft-capped scores cap*tanh(s/cap), s = q k^T / sqrt(d), in the input dtype."""
-    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    s = cap * torch.tanh(s / cap)
-    n = q.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    s = cap * torch.tanh(scaled_scores(q, k) / cap)  # cap first, then mask: cap*tanh(-inf) would be -cap
+    return torch.softmax(s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf")), dim=-1) @ v
 
 
 # Telemetry probe: called as probe(layer, x, q, k, v, y) with the attention input x (B, T, C), the q, k, v

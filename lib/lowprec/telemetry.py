@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from lowprec.attention.precision import one_threshold
+from lowprec.attention.reference import causal_mask
 from lowprec.formats import FORMATS
 from lowprec.model import GPT
 
@@ -79,8 +80,7 @@ def scores(q: torch.Tensor, k: torch.Tensor, softcap: float = 0.0) -> tuple[torc
     s64, s32 = dot * scale, dot.float() * scale
     if softcap:
         s64, s32 = softcap * torch.tanh(s64 / softcap), softcap * torch.tanh(s32 / softcap)
-    n = q.shape[2]
-    masked = ~torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    masked = ~causal_mask(q.shape[2], q.device)
     return s64.masked_fill(masked, float("-inf")), s32.masked_fill(masked, float("-inf"))
 
 

@@ -14,12 +14,11 @@ Backends (all take and return (batch, heads, seq, head_dim) tensors; the output 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
 
-from lowprec.attention.reference import causal_mask, check_qkv, reference_attention
+from lowprec.attention.reference import causal_mask, check_qkv, reference_attention, scaled_scores
 
 BACKENDS = ("reference", "math", "sdpa", "emulated", "triton")
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
@@ -28,7 +27,7 @@ SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """Standard (non-flash) attention with every op in the input dtype."""
     check_qkv(q, k, v)
-    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = scaled_scores(q, k)
     if causal:
         s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
     return torch.softmax(s, dim=-1) @ v

@@ -54,6 +54,11 @@ def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tenso
     return idx[None, :] <= idx[:, None]
 
 
+def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q k^T / sqrt(head_dim) in q's dtype, unmasked (B, H, N, N): the scores of every plain attention."""
+    return (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+
+
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +68,9 @@ def reference_attention(
     Differentiable (autograd through float64 ops), so it also gives reference gradients.
     """
     check_qkv(q, k, v)
-    q64, k64, v64 = q.double(), k.double(), v.double()
-    s = (q64 @ k64.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = scaled_scores(q.double(), k.double())
     if causal:
         s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    o = torch.exp(s - lse[..., None]) @ v64
+    o = torch.exp(s - lse[..., None]) @ v.double()
     return o, lse

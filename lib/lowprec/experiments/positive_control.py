@@ -74,6 +74,7 @@ import torch
 from tqdm import tqdm
 
 from lowprec.attention import Fix, Precision, emulated_attention, reference_attention
+from lowprec.attention.reference import causal_mask, scaled_scores
 
 PLACEMENTS = ("fa2", "paper")
 ARMS = ("lowp", "fix", "fp32pv", "reference")
@@ -399,9 +400,7 @@ def delta_identity(seed: int = 0, seq: int = 64, head_dim: int = 16, d_model: in
     delta = {name: (do.double() * o).sum(-1)[0, 0] for name, o in outs.items()}
     _, lse = reference_attention(q, k, v, causal=True)
     scale = 1.0 / math.sqrt(head_dim)
-    s = (q.double() @ k.double().transpose(-1, -2) * scale).masked_fill(
-        torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf")
-    )
+    s = scaled_scores(q.double(), k.double()).masked_fill(~causal_mask(seq), float("-inf"))
     pk = (torch.exp(s - lse[..., None]) @ k.double())[0, 0]
     d_err = delta["lp"] - delta["hp"]
     dq_diff, dq_pred = grads["hp"] - grads["lp"], scale * d_err[:, None] * pk
