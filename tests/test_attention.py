@@ -15,7 +15,7 @@ from lowprec.attention import (
     reference_attention,
 )
 from lowprec.attention.inputs import tied_qkv
-from lowprec.attention.precision import FixParams, fix_shift, one_threshold
+from lowprec.attention.precision import FixParams, fix_shift, one_threshold, round_weights
 from lowprec.formats import FORMATS, round_to
 
 FLOOR = 1e-4  # absolute slack added to FlashAttention's "at most twice plain attention's error" rule
@@ -223,9 +223,24 @@ def test_precision_strings():
     assert Precision.parse(p.spec) == p
     assert Precision.parse("paper:tile=none").tile is None
     assert Precision(weights="fp32") == Precision.fp32()
-    for bad in ("fa3", "fa2:weight=bf16", "fa2:weights=bf17", "fa2:weights=bf16@up", "fa2:tile=4"):
+    for bad in ("fa3", "fa2:weight=bf16", "fa2:weights=bf17", "fa2:weights=bf16@up", "fa2:tile=4",
+                "fa2:output=e8m3@ones", "fa2:weights=input@ones"):
         with pytest.raises(ValueError):
             Precision.parse(bad)
+
+
+def test_ones_mode_widens_only_the_round_to_one_window():
+    """weights=e8m3@ones: P̄ in [1 - 2^-5, 1 + 2^-4] -> 1.0; every other value rounds as the input dtype."""
+    prec = Precision.parse("fa2:weights=e8m3@ones")
+    assert Precision.parse(prec.spec) == prec and prec.spec == "fa2:weights=e8m3@ones"
+    x = torch.linspace(0.0, 1.0, 200_001)
+    out = round_weights(x, prec, torch.bfloat16)
+    window = x >= 1 - 2.0**-5
+    assert (out[window] == 1.0).all()
+    assert torch.equal(out[~window], x[~window].bfloat16().float())
+    assert (x[~window].bfloat16() == 1.0).sum() == 0  # bf16's own window lies inside
+    assert torch.equal(round_weights(x, prec, torch.float32)[~window], x[~window])  # fp32 inputs: untouched
+    assert Fix().resolve(prec.weights.resolve(torch.bfloat16)).tol == pytest.approx(-math.log1p(-(2.0**-5)))
 
 
 def test_value_errors():

@@ -117,6 +117,21 @@ def test_stochastic_rounding_of_pbar_removes_the_bias():
     assert abs(r.o.t) < 5 and abs(r.delta.t) < 5, format_table([r])
 
 
+def test_ones_window_amplifies_the_near_tie_bias_and_the_fix_removes_it():
+    # near-ties 1e-3..2.3e-2 below the max: bf16 P̄ mostly keeps them below 1 (little bias); e8m3@ones rounds
+    # every P̄ >= 1 - 2^-5 up to 1, the paper's error with a wider window; the Fix (tol from e8m3) removes it
+    table = bias_table(
+        {"fa2": emulated(), "ones": emulated("fa2:weights=e8m3@ones"),
+         "ones+fix": emulated("fa2:weights=e8m3@ones", Fix())},
+        ["near-k4-wide"], rows=ROWS)
+    fa2, ones, fixed = table
+    assert abs(fa2.o.t) < 5 and abs(fa2.delta.t) < 5, format_table(table)
+    assert ones.o.t < -10 and ones.delta.t > 10, format_table(table)
+    assert abs(fixed.o.t) < 5 and abs(fixed.delta.t) < 5, format_table(table)
+    unique = measure_bias(emulated("fa2:weights=e8m3@ones"), "unique", rows=ROWS, name="ones-unique")
+    assert abs(unique.o.t) < 5 and abs(unique.delta.t) < 5, format_table([unique])
+
+
 def test_truncating_pbar_is_catastrophically_biased():
     r = measure_bias(emulated(truncating_fa2()), "unique", rows=ROWS, name="fa2-trunc")
     # every P̄ loses up to one ulp downward while l keeps the fp32 sum: O shrinks toward zero (V < 0)

@@ -26,7 +26,10 @@ dtype before their dots, as in FlashAttention-2.
     dk, dq *= scale at the end
 
 A point holds a `Rounding`: a lowprec.formats format (or "input" = q's dtype, or None = stays fp32) and a
-mode ("nearest" or "stochastic"). Presets:
+mode: "nearest", "stochastic", or "ones" (weights only: the values that round to exactly 1.0 in the format
+become 1.0, every other value is rounded to the input dtype -- the paper's P̄ = 1 rounding with a wider window
+and nothing else, e.g. "fa2:weights=e8m3@ones" rounds P̄ in [1 - 2^-5, 1) up to 1 instead of bf16's
+[1 - 2^-9, 1); a Fix with its default tol detects exactly that window). Presets:
   Precision.fa2()   production kernels: P̄ and the output in the input dtype, everything else fp32.
   Precision.paper() the authors' PyTorch reference (github ucker/why-low-precision-training-fails): S, P̄,
                     l, the P̄V result, the running O and the output all in the input dtype; 512 x 512 tiles.
@@ -35,7 +38,7 @@ mode ("nearest" or "stochastic"). Presets:
 Short strings (CLIs, configs): "<preset>[:<point>=<spec>,...]", spec "<format>[@<mode>]", format one of
 lowprec.formats.FORMATS, "eXmY" (e.g. e8m3: bf16's range with 3 significand bits), "input" or "none";
 also "tile=<int>|none". Examples: "fa2", "paper", "fa2:weights=e8m3", "fa2:weights=bf16@stochastic",
-"paper:tile=none". `p.spec` is the shortest such string for p (`Precision.parse(p.spec) == p`) and
+"paper:tile=none", "fa2:weights=e8m2@ones". `p.spec` is the shortest such string for p (`Precision.parse(p.spec) == p`) and
 `repr(p)` shows it.
 
 The Fix (`Fix`, `fix_shift`): in each tile row (or once per whole row, `tie="row"`), count scores within
@@ -62,7 +65,7 @@ import torch
 from lowprec.formats import FORMATS, Format, round_to
 
 POINTS = ("scores", "weights", "rowsum", "product", "accumulator", "output")
-ROUNDING_MODES = ("nearest", "stochastic")
+ROUNDING_MODES = ("nearest", "stochastic", "ones")
 INPUT = "input"
 _DTYPE_FORMATS = {torch.bfloat16: FORMATS["bf16"], torch.float16: FORMATS["fp16"]}
 
@@ -104,7 +107,7 @@ class Rounding:
 
     @classmethod
     def parse(cls, spec: str) -> Rounding:
-        """ "<format>[@<mode>]", e.g. "bf16", "e8m3@stochastic", "input", "none"."""
+        """ "<format>[@<mode>]", e.g. "bf16", "e8m3@stochastic", "e8m3@ones", "input", "none"."""
         name, _, mode = spec.partition("@")
         return cls(name, mode or "nearest")
 
@@ -147,6 +150,11 @@ class Precision:
     def __post_init__(self) -> None:
         for name in POINTS:
             object.__setattr__(self, name, _as_rounding(getattr(self, name)))
+        for name in POINTS:
+            rounding = getattr(self, name)
+            if rounding.mode == "ones" and (name != "weights" or not isinstance(rounding.fmt, Format)):
+                raise ValueError(f"rounding mode 'ones' applies to the weights point with a concrete format "
+                                 f"(e.g. weights='e8m3@ones'), got {name}={rounding}")
         if self.tile is not None and not (isinstance(self.tile, int) and self.tile >= 16):
             raise ValueError(f"tile must be None or an int >= 16, got {self.tile!r}")
 
@@ -234,7 +242,13 @@ Generator = torch.Generator | None  # random bits for stochastic rounding (None:
 
 def _round(x: torch.Tensor, rounding: Rounding, dtype: torch.dtype, generator: Generator):
     fmt = rounding.resolve(dtype)
-    return x if fmt is None else round_to(x, fmt, rounding.mode, generator)
+    if fmt is None:
+        return x
+    if rounding.mode == "ones":
+        host = _DTYPE_FORMATS.get(dtype)
+        rest = x if host is None else round_to(x, host)
+        return torch.where(round_to(x, fmt) == 1.0, torch.ones_like(x), rest)
+    return round_to(x, fmt, rounding.mode, generator)
 
 
 def round_scores(s: torch.Tensor, p: Precision, dtype: torch.dtype, gen: Generator = None):

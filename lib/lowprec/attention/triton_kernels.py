@@ -98,8 +98,9 @@ HEAD_DIMS = (16, 128)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FWD_BLOCK_N = 64  # on a GPU the forward's key tile is fixed: per-tile tie detection depends on it
 
-# rounding codes: kind | exp_bits << 4 | man_bits << 8 | no_inf << 13
-NONE, CAST_BF16, CAST_FP16, NEAREST, STOCHASTIC = 0, 1, 2, 3, 4
+# rounding codes: kind | exp_bits << 4 | man_bits << 8 | no_inf << 13 | host kind << 14 ("ones" only: how the
+# values that do not round to 1.0 are rounded, NONE / CAST_BF16 / CAST_FP16)
+NONE, CAST_BF16, CAST_FP16, NEAREST, STOCHASTIC, ONES = 0, 1, 2, 3, 4, 5
 # stream ids of the rounding points (decorrelate their stochastic bits)
 WEIGHTS, ROWSUM, PRODUCT, ACCUMULATOR, OUTPUT = (tl.constexpr(i) for i in range(1, 6))
 
@@ -113,8 +114,9 @@ def _code(rounding: Rounding, dtype: torch.dtype) -> int:
         return CAST_BF16
     if rounding.mode == "nearest" and fmt.torch_dtype is torch.float16:
         return CAST_FP16
-    kind = NEAREST if rounding.mode == "nearest" else STOCHASTIC
-    return kind | fmt.exp_bits << 4 | fmt.man_bits << 8 | int(fmt.no_inf) << 13
+    kind = {"nearest": NEAREST, "stochastic": STOCHASTIC, "ones": ONES}[rounding.mode]
+    host = {torch.bfloat16: CAST_BF16, torch.float16: CAST_FP16}.get(dtype, NONE) if kind == ONES else NONE
+    return kind | fmt.exp_bits << 4 | fmt.man_bits << 8 | int(fmt.no_inf) << 13 | host << 14
 
 
 @triton.jit
@@ -190,6 +192,19 @@ def _round(x, CODE: tl.constexpr, seed, stream, idx):
         return x.to(tl.bfloat16).to(tl.float32)
     elif (CODE & 15) == 2:
         return x.to(tl.float16).to(tl.float32)
+    elif (CODE & 15) == 5:
+        # "ones": [1 - 2^-(M+2), 1 + 2^-(M+1)] rounds to 1.0 in the format (both midpoints tie to even 1.0)
+        M: tl.constexpr = (CODE >> 8) & 31
+        HOST: tl.constexpr = (CODE >> 14) & 3
+        LO: tl.constexpr = 1.0 - 1.0 / (1 << (M + 2))
+        HI: tl.constexpr = 1.0 + 1.0 / (1 << (M + 1))
+        if HOST == 1:
+            rest = x.to(tl.bfloat16).to(tl.float32)
+        elif HOST == 2:
+            rest = x.to(tl.float16).to(tl.float32)
+        else:
+            rest = x
+        return tl.where((x >= LO) & (x <= HI), 1.0, rest)
     else:
         return _round_bits(x, CODE, seed, stream, idx)
 
