@@ -117,7 +117,8 @@ CASES = {  # name: (shape, dtype, causal, tied_qkv options or None for N(0, 1) i
         {},
         {"precision": "fa2:weights=e8m3", "fix": Fix()},
     ),
-    "ones-window weights": ((1, 2, 150, 32), torch.bfloat16, True, {}, {"precision": "fa2:weights=e8m2@ones"}),
+    "ones-window weights": ((1, 2, 150, 32), torch.bfloat16, True, {},
+                            {"precision": "fa2:weights=e8m2@ones"}),
     "ones-window weights, fix": (
         (1, 2, 150, 32),
         torch.bfloat16,
@@ -125,7 +126,8 @@ CASES = {  # name: (shape, dtype, causal, tied_qkv options or None for N(0, 1) i
         {},
         {"precision": "fa2:weights=e8m3@ones", "fix": Fix()},
     ),
-    "ones-window weights, fp16": ((1, 1, 90, 32), torch.float16, True, {}, {"precision": "fa2:weights=e5m3@ones"}),
+    "ones-window weights, fp16": ((1, 1, 90, 32), torch.float16, True, {},
+                                  {"precision": "fa2:weights=e5m3@ones"}),
     "paper tiles 64": ((1, 1, 150, 32), torch.bfloat16, True, {}, {"precision": "paper:tile=64"}),
     "fp32 with bf16 weights": ((1, 1, 90, 32), torch.float32, False, None, {"precision": "fa2:weights=bf16"}),
 }

@@ -41,8 +41,8 @@ class Case:
     """A family of adversarial rows.
 
     scores: "unique" (one max, the rest >= UNIQUE_GAP below), "exact" (`ties` keys share the max exactly),
-    "near" (the max plus ties-1 keys 0.05..0.9 `window` below it; window defaults to NEAR_WINDOW), "random" (Gaussian q, k: score std
-    `spread`).
+    "near" (the max plus ties-1 keys 0.05..0.9 `window` below it; default NEAR_WINDOW), "random"
+    (Gaussian q, k: score std `spread`).
     The row max is uniform in `max_range` (negative range: negative maxima); the other scores are
     max − UNIQUE_GAP − spread·Exp(1). V entries ~ N(v_mean, 0.5²), dO entries ~ N(sign(v_mean), 1)
     (dO has O's sign, as in the paper's Fig. 5).

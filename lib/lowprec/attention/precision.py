@@ -38,8 +38,8 @@ and nothing else, e.g. "fa2:weights=e8m3@ones" rounds P̄ in [1 - 2^-5, 1) up to
 Short strings (CLIs, configs): "<preset>[:<point>=<spec>,...]", spec "<format>[@<mode>]", format one of
 lowprec.formats.FORMATS, "eXmY" (e.g. e8m3: bf16's range with 3 significand bits), "input" or "none";
 also "tile=<int>|none". Examples: "fa2", "paper", "fa2:weights=e8m3", "fa2:weights=bf16@stochastic",
-"paper:tile=none", "fa2:weights=e8m2@ones". `p.spec` is the shortest such string for p (`Precision.parse(p.spec) == p`) and
-`repr(p)` shows it.
+"paper:tile=none", "fa2:weights=e8m2@ones". `p.spec` is the shortest such string for p
+(`Precision.parse(p.spec) == p`) and `repr(p)` shows it.
 
 The Fix (`Fix`, `fix_shift`): in each tile row (or once per whole row, `tie="row"`), count scores within
 `tol` of the row max r. If there is more than one (a repeated or near-repeated maximum), the row's shift
