@@ -18,6 +18,10 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
         "lowprec.experiments.positive_control",
         "one attention layer where biased rounding is the only driver of W_Q drift (CPU, ~1 min)",
     ),
+    "explode": (
+        "lowprec.experiments.explode",
+        "train attention arms x seeds side by side for a time budget; record who explodes and the signature",
+    ),
 }
 
 
