@@ -55,6 +55,8 @@ class TrainConfig:
     ckpt_interval: int = 500     # checkpoint every this many steps (multiple of log_interval); 0 = at the
                                  # end and on interrupt only; -1 = never (benchmarks)
     ckpt_dir: str = ""           # "" = <out>/checkpoint (kept out of git by a .gitignore written there)
+    ckpt_keep: bool = False      # also keep each checkpoint as <ckpt_dir>/ckpt-<step:06d>.pt (a hard link to
+                                 # ckpt.pt; a full file on disk each): the starting points of `lowprec replay`
     diverge_factor: float = 3.0  # stop when loss > factor * its minimum since warmup (0 = NaN/Inf only)
     debug_nan_step: int = -1     # test hook: poison one weight with NaN before this step (-1 = never)
     progress: bool = True        # tqdm bar on rank 0

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -35,6 +35,8 @@ from lowprec.attention.reference import causal_mask, scaled_scores
 SOFTCAP_BACKENDS = ("math",)
 # Backends that can return per-row AttentionStats (P̄ == 1 counts, Fix triggers and fallbacks).
 STATS_BACKENDS = ("emulated", "triton")
+# Backends that take the Fix (a "fix=" option in the spec).
+FIX_BACKENDS = ("emulated", "triton")
 
 
 @dataclass
@@ -84,6 +86,21 @@ class GPTConfig:
         """The attention spec of `layer` (0-based): its override, else the default."""
         return self.layer_attention.get(layer, self.attention)
 
+    def with_fix(self, beta: float | None) -> GPTConfig:
+        """This config with the Fix set to `beta` (None: removed) in every spec whose backend takes one
+        (`FIX_BACKENDS`: the default and each layer_attention override); the other specs are kept.
+        ValueError if no layer runs such a backend."""
+        specs = sorted({self.layer_spec(layer) for layer in range(self.n_layer)})
+        if not any(parse_attention(spec)[0] in FIX_BACKENDS for spec in specs):
+            raise ValueError(f"no layer can take the Fix: the model's attention specs {specs} use none of "
+                             f"the backends {FIX_BACKENDS}")
+
+        def fixed(spec: str) -> str:
+            return spec_with_fix(spec, beta) if parse_attention(spec)[0] in FIX_BACKENDS else spec
+
+        layers = {layer: fixed(spec) for layer, spec in self.layer_attention.items()}
+        return replace(self, attention=fixed(self.attention), layer_attention=layers)
+
 
 def _parse_value(text: str):
     low = text.lower()
@@ -124,6 +141,26 @@ def attention_kwargs(raw: dict) -> dict:
         from lowprec.attention.precision import as_fix
         kw["fix"] = as_fix(kw["fix"])
     return kw
+
+
+def spec_with_fix(spec: str, beta: float | None) -> str:
+    """`spec` with its "fix=" option set to `beta` (None: removed), the other options kept in order:
+    spec_with_fix("emulated/precision=fa2", 2) == "emulated/precision=fa2/fix=2". ValueError if the spec's
+    backend is not one of `FIX_BACKENDS` or `beta` is not a valid Fix beta (a finite number > 1)."""
+    backend, _ = parse_attention(spec)
+    if backend not in FIX_BACKENDS:
+        raise ValueError(f"attention spec {spec!r}: backend {backend!r} cannot take a fix; only "
+                         f"{FIX_BACKENDS} can")
+    items = [item for item in spec.split("/")[1:] if item.partition("=")[0].strip() != "fix"]
+    if beta is not None:
+        number = int(beta) if float(beta).is_integer() else float(beta)  # "fix=2", not "fix=2.0"
+        items.append(f"fix={number}")
+    new = "/".join([backend, *items])
+    try:
+        attention_kwargs(parse_attention(new)[1])
+    except ValueError as exc:
+        raise ValueError(f"attention spec {new!r}: {exc}") from None
+    return new
 
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:

@@ -21,7 +21,9 @@ checked at each flush for every step since the previous one; the run stops, reco
 its batch (seed, data steps, window starts) and keeps the last checkpoint, which is only ever written after a
 clean check. Ctrl-C / SIGTERM finish the current step, write a checkpoint and mark the run "interrupted" (a
 second Ctrl-C aborts at once, still keeping the last checkpoint). Under DDP the stop request is agreed at the
-next flush. Checkpoints go to <out>/checkpoint (or ckpt_dir), with a .gitignore, and never into the records.
+next flush. Checkpoints go to <out>/checkpoint (or ckpt_dir), with a .gitignore, and never into the records;
+with ckpt_keep each one is also kept as ckpt-<step:06d>.pt, and `Trainer(..., init_from=that file)` starts a
+fresh record from it (what `lowprec replay` does).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -140,6 +143,18 @@ def save_atomic(obj: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def keep_file(path: Path, kept: Path) -> None:
+    """Give `path` the second name `kept` (a hard link, a copy where the filesystem has none), atomically: a
+    temp name first, then rename. Later atomic saves to `path` replace its name, not the kept file."""
+    tmp = kept.with_name(kept.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except OSError:
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, kept)
+
+
 class StopRequest:
     """Turns the first SIGINT / SIGTERM into a flag checked between steps (a second SIGINT raises at once)."""
 
@@ -165,10 +180,20 @@ class StopRequest:
 # ---- the trainer ----
 
 class Trainer:
-    """One run: build everything (or restore it from the checkpoint), then `run()` the loop."""
+    """One run: build everything, then `run()` the loop.
+
+    resume: continue the record in `out` from its checkpoint. init_from: start a fresh record in `out` from
+    the state in this checkpoint file (any run's, e.g. a kept ckpt-<step>.pt): same weights, optimizer, RNG,
+    divergence monitor, step and clock, so a run with the same config continues it bit for bit on CPU.
+    start_fields: extra fields of the record's "start" event (e.g. replay_of, from_step).
+    """
 
     def __init__(self, cfg: TrainConfig, out: str | Path, resume: bool = False,
-                 command: list[str] | None = None, callback: Callable[[int, dict], None] | None = None):
+                 command: list[str] | None = None, callback: Callable[[int, dict], None] | None = None,
+                 init_from: str | Path | None = None, start_fields: dict | None = None):
+        if resume and init_from is not None:
+            raise ValueError("resume and init_from exclude each other: resume continues <out>'s own record, "
+                             "init_from starts a new one")
         self.cfg, self.out, self.callback = cfg, Path(out), callback
         self.dist, self.device = setup_distributed(cfg)
         if cfg.grad_accum % self.dist.world_size:
@@ -197,8 +222,8 @@ class Trainer:
                           if cfg.telemetry_interval and self.dist.main else None)
         self.ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else self.out / "checkpoint"
         self.start_step, self.running_min, self.elapsed = 0, math.inf, 0.0
-        if resume:
-            self._restore()
+        if resume or init_from is not None:
+            self._restore(self.ckpt_path if resume else Path(init_from))
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.writer = RunWriter(self.out, cfg.to_dict(), command, resume=resume) if self.dist.main else None
         if self.writer is not None:
@@ -206,9 +231,10 @@ class Trainer:
                 self.writer.truncate_after(self.start_step - 1)
                 self.writer.event("resumed", self.start_step, provenance=provenance(command))
             else:
-                self.writer.event("start", 0, data=str(self.data.path), world_size=self.dist.world_size,
-                                  params=self.model.num_params(), tokens_per_step=cfg.tokens_per_step,
-                                  device=str(self.device), compile=use_compile)
+                self.writer.event("start", self.start_step, data=str(self.data.path),
+                                  world_size=self.dist.world_size, params=self.model.num_params(),
+                                  tokens_per_step=cfg.tokens_per_step, device=str(self.device),
+                                  compile=use_compile, **(start_fields or {}))
         self.forward: torch.nn.Module = torch.compile(self.model) if use_compile else self.model
         self.ddp = None
         if self.dist.enabled:  # compile first, then DDP (as nanoGPT)
@@ -223,10 +249,11 @@ class Trainer:
     def ckpt_path(self) -> Path:
         return self.ckpt_dir / CHECKPOINT
 
-    def _restore(self) -> None:
-        if not self.ckpt_path.exists():
-            raise ValueError(f"cannot resume: no checkpoint at {self.ckpt_path}")
-        ckpt = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
+    def _restore(self, path: Path) -> None:
+        """Load the state saved by `_checkpoint` from `path`."""
+        if not path.exists():
+            raise ValueError(f"no checkpoint at {path}")
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
@@ -246,7 +273,12 @@ class Trainer:
                          "elapsed": self.elapsed + time.perf_counter() - self.t_start,
                          "telemetry": None if self.telemetry is None else self.telemetry.state_dict(),
                          "config": self.cfg.to_dict()}, self.ckpt_path)
-            self.writer.event("checkpoint", next_step, path=str(self.ckpt_path))
+            kept = {}
+            if self.cfg.ckpt_keep:
+                kept_path = self.ckpt_dir / f"ckpt-{next_step:06d}.pt"
+                keep_file(self.ckpt_path, kept_path)
+                kept["kept"] = str(kept_path)
+            self.writer.event("checkpoint", next_step, path=str(self.ckpt_path), **kept)
         if self.dist.enabled:
             dist.barrier()
 
@@ -438,10 +470,12 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, out: str | Path, resume: bool = False, command: list[str] | None = None,
-          callback: Callable[[int, dict], None] | None = None) -> dict:
-    """Train `cfg`, recording into `out`. `callback(step, entry)` runs after every step (tests, benchmarks);
-    entry holds "loss" and "grad_norm" as device tensors (reading them syncs), "lr" and any "telemetry"."""
-    return Trainer(cfg, out, resume, command, callback).run()
+          callback: Callable[[int, dict], None] | None = None, init_from: str | Path | None = None,
+          start_fields: dict | None = None) -> dict:
+    """Train `cfg`, recording into `out` (resume / init_from / start_fields: see `Trainer`). `callback(step,
+    entry)` runs after every step (tests, benchmarks); entry holds "loss" and "grad_norm" as device tensors
+    (reading them syncs), "lr" and any "telemetry"."""
+    return Trainer(cfg, out, resume, command, callback, init_from, start_fields).run()
 
 
 def read_config(out: str | Path) -> TrainConfig:

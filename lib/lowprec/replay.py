@@ -1,0 +1,210 @@
+"""`lowprec replay RUN --from STEP --fix on|off`: re-run the last steps of a recorded run from a kept
+checkpoint, with the Fix switched on or off, and compare the loss curves.
+
+The batch of every step is a pure function of (seed, step) (`lowprec.data.sample_batch`), so a checkpoint
+taken before a loss spike is all a replay needs. Train with `--set ckpt_keep=true` (each checkpoint is also
+kept as <ckpt_dir>/ckpt-<step:06d>.pt), then
+
+    lowprec replay RUN --from 4000 --fix on     # does the Fix keep the steps from 4000 on stable?
+    lowprec replay RUN --from 4000 --fix off    # the control: does the spike come back?
+
+A replay trains RUN's recorded config (config.json) with the fix option set to --beta (on) or removed (off)
+in every attention spec whose backend takes one (`GPTConfig.with_fix`), the same LR schedule (lr_decay_iters
+pinned to the original's), checkpoints only at its end (into its own folder), and runs to the last step RUN
+recorded (or --steps / --to). `--set key=value` applies last (device, telemetry_interval, ...; a different
+batch, LR or model shape breaks the comparison). The replay is a fresh record in
+<RUN>/replay-from-<STEP>-fix-<on|off> (--out) whose start event names replay_of and from_step;
+`compare_runs` (records only) goes to <out>/replay.json and is printed.
+
+On CPU a replay with RUN's own setting reproduces its losses bit for bit; on a GPU as far as the kernels are
+deterministic (same device, world size and compile setting as the original). Records round losses to
+`lowprec.runs.SIGNIFICANT` digits, so "identical" in a comparison means identical there. This module imports
+torch only to train, so the book can import `compare_runs` without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from lowprec.runs import SIGNIFICANT, Run, load_run, write_json
+
+KEPT = re.compile(r"ckpt-(\d+)\.pt")
+
+
+# ---- comparing records (no torch) ----
+
+def _window(run: Run, start: int, end: int) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in run.metrics if start <= m["step"] < end}
+
+
+def _same(a: float, b: float, tol: float) -> bool:
+    return a == b or abs(a - b) <= tol or (math.isnan(a) and math.isnan(b))
+
+
+def _describe(run: Run, losses: dict[int, float]) -> dict:
+    model = run.config["model"]
+    return {"attention": model["attention"], "layer_attention": model["layer_attention"],
+            "status": run.summary["status"], "explosion_step": run.summary.get("explosion_step"),
+            "logged_steps": len(losses),
+            "max_loss": max(losses.values(), key=lambda v: math.inf if math.isnan(v) else v, default=None),
+            "last_step": max(losses, default=None), "last_loss": losses[max(losses)] if losses else None}
+
+
+def compare_runs(original_dir: str | Path, replay_dir: str | Path, tol: float = 1e-6) -> dict:
+    """Compare a replay with its original over the replayed steps (the replay's start step to its max_iters).
+
+    Returns {"original", "replay": folders, "from_step", "to_step" (last step of the window), "tolerance",
+    "compared_steps" (logged by both), "first_difference": None or {"step", "original", "replay"} (the first
+    common step where |loss_replay - loss_original| > tol), "identical" (no such step and both logged the
+    same steps), "runs": {"original"|"replay": {attention, layer_attention, status, explosion_step,
+    logged_steps, max_loss, last_step, last_loss} over the window}}. Reads records only."""
+    original, replay = load_run(original_dir), load_run(replay_dir)
+    starts = replay.events_of("start")
+    if not starts:
+        raise ValueError(f"replay_dir {replay.path} has no start event (not a run started by lowprec train)")
+    start, end = starts[0]["step"], replay.config["max_iters"]
+    a, b = _window(original, start, end), _window(replay, start, end)
+    common = sorted(set(a) & set(b))
+    first = next((s for s in common if not _same(a[s], b[s], tol)), None)
+    return {"original": str(original.path), "replay": str(replay.path), "from_step": start,
+            "to_step": end - 1, "tolerance": tol, "compared_steps": len(common),
+            "first_difference": None if first is None else {"step": first, "original": a[first],
+                                                            "replay": b[first]},
+            "identical": first is None and set(a) == set(b),
+            "runs": {"original": _describe(original, a), "replay": _describe(replay, b)}}
+
+
+def format_comparison(comparison: dict) -> str:
+    """A few lines for the terminal: one row per run, then the verdict."""
+    c = comparison
+    lines = [f"replay of {c['original']} from step {c['from_step']} to step {c['to_step']} -> {c['replay']}",
+             f"{'run':9} {'status':9} {'explosion':>9} {'max loss':>10} {'last loss':>10}  attention"]
+    for name, r in c["runs"].items():
+        attention = r["attention"] + (f" {r['layer_attention']}" if r["layer_attention"] else "")
+        explosion, max_loss, last_loss = ("-" if v is None else f"{v:.5g}"
+                                          for v in (r["explosion_step"], r["max_loss"], r["last_loss"]))
+        lines.append(f"{name:9} {r['status']:9} {explosion:>9} {max_loss:>10} {last_loss:>10}  {attention}")
+    diff = c["first_difference"]
+    if diff is not None:
+        lines.append(f"first difference at step {diff['step']}: loss {diff['original']:.5g} (original) vs "
+                     f"{diff['replay']:.5g} (replay), more than {c['tolerance']:g} apart")
+    elif c["identical"]:
+        lines.append(f"identical over all {c['compared_steps']} logged steps (records keep {SIGNIFICANT} "
+                     "significant digits)")
+    else:
+        lines.append(f"the {c['compared_steps']} steps both runs logged agree, but the runs logged different "
+                     "steps (one stopped early)")
+    return "\n".join(lines)
+
+
+# ---- replaying (torch) ----
+
+def available_checkpoints(ckpt_dir: Path) -> dict[int, Path]:
+    """step -> checkpoint file in `ckpt_dir`: the kept ckpt-<step>.pt files and the latest ckpt.pt."""
+    import torch
+
+    from lowprec.train import CHECKPOINT
+    found = {}
+    latest = ckpt_dir / CHECKPOINT
+    if latest.exists():  # mmap: reads the step without loading the tensors
+        found[torch.load(latest, map_location="cpu", mmap=True, weights_only=False)["step"]] = latest
+    for path in ckpt_dir.glob("ckpt-*.pt"):
+        match = KEPT.fullmatch(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def find_checkpoint(ckpt_dir: Path, step: int) -> Path:
+    """The checkpoint in `ckpt_dir` that continues at `step`; ValueError listing the steps there are."""
+    found = available_checkpoints(ckpt_dir) if ckpt_dir.is_dir() else {}
+    if step not in found:
+        hint = ("" if len(found) > 1 else "; train with --set ckpt_keep=true to keep every checkpoint "
+                "(ckpt-<step>.pt), not only the latest")
+        raise ValueError(f"--from {step}: no checkpoint for step {step} in {ckpt_dir}; available steps: "
+                         f"{list(found) or 'none'}{hint}")
+    return found[step]
+
+
+def replay(run_dir: str | Path, from_step: int, fix: bool, beta: float = 2.0, end: int | None = None,
+           out: str | Path | None = None, overrides: list[str] | None = None,
+           command: list[str] | None = None, callback: Callable[[int, dict], None] | None = None) -> dict:
+    """Re-run steps from_step .. end-1 of the run in `run_dir` from its checkpoint at `from_step`, with the
+    Fix on (beta) or off; end defaults to one past the last step RUN logged, out to
+    <run_dir>/replay-from-<from_step>-fix-<on|off>. Returns `compare_runs(run_dir, out)` (also written to
+    <out>/replay.json) on rank 0, {} on other ranks. `callback` as in `lowprec.train.train`."""
+    from lowprec.configs import apply_overrides
+    from lowprec.train import read_config, train
+
+    run_dir = Path(run_dir)
+    original = read_config(run_dir)
+    if end is None:
+        logged = load_run(run_dir).metrics
+        if not logged:
+            raise ValueError(f"RUN {run_dir} has logged no steps; pass --steps or --to")
+        end = logged[-1]["step"] + 1
+    if end <= from_step:
+        raise ValueError(f"nothing to replay: the replay would end (step {end - 1}) before --from "
+                         f"{from_step}; pass --steps N or --to STEP past it")
+    cfg = replace(original, model=original.model.with_fix(beta if fix else None), max_iters=end,
+                  lr_decay_iters=original.lr_decay_iters or original.max_iters,  # lr_at: 0 means max_iters
+                  ckpt_interval=0, ckpt_keep=False, ckpt_dir="")
+    cfg = apply_overrides(cfg, overrides or [])
+    checkpoint = find_checkpoint(Path(original.ckpt_dir or run_dir / "checkpoint"), from_step)
+    out = Path(out) if out is not None else run_dir / f"replay-from-{from_step}-fix-{'on' if fix else 'off'}"
+    if (out / "metrics.jsonl").exists():
+        raise ValueError(f"--out {out} already holds a run (an earlier replay?): remove it or pass another "
+                         "--out")
+    train(cfg, out, command=command, callback=callback, init_from=checkpoint,
+          start_fields={"replay_of": str(run_dir), "from_step": from_step, "fix": fix,
+                        "beta": beta if fix else None, "checkpoint": str(checkpoint)})
+    if int(os.environ.get("RANK", "0")) != 0:
+        return {}
+    comparison = compare_runs(run_dir, out)
+    write_json(out / "replay.json", comparison)
+    return comparison
+
+
+# ---- CLI ----
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="folder of the recorded run (trained with ckpt_keep=true)")
+    parser.add_argument("--from", dest="from_step", type=int, required=True, metavar="STEP",
+                        help="step to start from (a checkpoint of RUN at this step must exist)")
+    parser.add_argument("--fix", choices=("on", "off"), required=True,
+                        help="the Fix in every attention layer whose backend takes one (emulated, triton)")
+    parser.add_argument("--beta", type=float, default=2.0, help="the Fix's beta with --fix on (default 2)")
+    until = parser.add_mutually_exclusive_group()
+    until.add_argument("--steps", type=int, metavar="N", help="replay N steps (default: to RUN's last step)")
+    until.add_argument("--to", type=int, metavar="STEP", help="replay up to and including STEP")
+    parser.add_argument("--out", help="replay folder (default <RUN>/replay-from-<STEP>-fix-<on|off>)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override a field of the replay's config (repeatable), e.g. --set device=cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    end = (args.from_step + args.steps if args.steps is not None
+           else args.to + 1 if args.to is not None else None)
+    try:
+        if args.steps is not None and args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}")
+        comparison = replay(args.run, args.from_step, args.fix == "on", args.beta, end, args.out,
+                            args.overrides)
+    except ValueError as exc:
+        print(f"lowprec replay: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if comparison:
+        print(format_comparison(comparison))
+        print(f"written to {Path(comparison['replay']) / 'replay.json'}")
+    return 0
