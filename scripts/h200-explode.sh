@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The explosion hunt's GPU runs (results/explode/<NAME>/), in two phases so a run may outlive one device call:
+#   PHASE=start   launches `lowprec experiment explode` in its own process session (setsid nohup) and returns
+#   PHASE=finish  waits for it, then, for every run that diverged and kept checkpoints, replays from the last
+#                 kept checkpoint at least REPLAY_LEAD steps before the explosion with the Fix on and off
+#                 (`lowprec replay`, one GPU each), and packs the records (no checkpoints) into $OUT/$NAME.tgz
+# Usage (repo root, data/gpt2-permissive prepared; the GPU machine has no git history, so pass the commit):
+#   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) NAME=kbit3 ARGS="--arms kbit3,kbit3-fix --seeds 1,2,3 ..." \
+#     PHASE=start bash scripts/h200-explode.sh
+#   ... PHASE=finish OUT=/tmp/out bash scripts/h200-explode.sh
+set -u
+export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1 LOWPREC_DATA=$PWD/data
+RUNS=${RUNS:-/tmp/explode} REPLAY_LEAD=${REPLAY_LEAD:-200} REPLAY_AFTER=${REPLAY_AFTER:-300}
+EXP=$RUNS/$NAME
+if [ "$PHASE" = start ]; then
+  mkdir -p "$EXP"
+  # shellcheck disable=SC2086
+  setsid nohup python3 -m lowprec.cli experiment explode --out "$EXP" $ARGS > "$EXP.log" 2>&1 < /dev/null &
+  echo "started $NAME (pid $!)"
+  exit 0
+fi
+# finish: wait for the harness (it writes experiment.json last)
+while pgrep -f "experiment explode --out $EXP" > /dev/null; do sleep 5; done
+tail -n 20 "$EXP.log"
+python3 - "$EXP" "$REPLAY_LEAD" "$REPLAY_AFTER" > "$RUNS/replays.txt" <<'PY'
+import json, re, sys
+from pathlib import Path
+exp, lead, after = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+for name, run in json.loads((exp / "experiment.json").read_text())["runs"].items():
+    if run["status"] != "diverged" or "-fix" in run["arm"]:
+        continue
+    steps = sorted(int(m[1]) for p in (exp / name / "checkpoint").glob("ckpt-*.pt")
+                   if (m := re.fullmatch(r"ckpt-(\d+)\.pt", p.name)))
+    before = [s for s in steps if s <= run["explosion_step"] - lead]
+    if before:
+        print(name, before[-1], run["explosion_step"] + after)
+PY
+cat "$RUNS/replays.txt"
+gpu=0 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$ngpu" -gt 0 ] || ngpu=1
+while read -r name from to; do
+  for fix in off on; do
+    CUDA_VISIBLE_DEVICES=$gpu python3 -m lowprec.cli replay "$EXP/$name" --from "$from" --to "$to" --fix $fix \
+      --set progress=false > "$EXP/$name-replay-$fix.log" 2>&1 &
+    gpu=$(( (gpu + 1) % ngpu ))
+  done
+done < "$RUNS/replays.txt"
+wait
+for f in "$EXP"/*-replay-*.log; do [ -e "$f" ] && { echo "== $f"; tail -n 12 "$f"; }; done
+tar czf "$OUT/$NAME.tgz" --exclude=checkpoint -C "$RUNS" "$NAME" "$NAME.log"
+ls -la "$OUT"
