@@ -36,12 +36,14 @@ import torch
 
 from lowprec.attention.bias import ErrorStats
 from lowprec.configs import CONFIGS, get_config
-from lowprec.runs import RunRecordError, load_run, provenance, write_json
+from lowprec.runs import Run, RunRecordError, load_run, provenance, write_json
 
 PLACEMENTS = {"fa2": "fa2", "paper": "paper:tile=64", "fp32pv": "fa2:weights=none"}
 BACKENDS = ("triton", "emulated")
 FIX_BETA = 2.0
 POLL_S = 5.0
+SPIKE_FACTOR = 1.25  # a "spike": the smoothed loss rises this far above its running minimum (probe.md's rule)
+SPIKE_WINDOW = 5     # logged records (log_interval steps each) in the moving mean the spike rule uses
 
 
 def arm_spec(arm: str, backend: str = "triton") -> str:
@@ -65,25 +67,31 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
+def head_t_scores(run: Run) -> torch.Tensor:
+    """(layers, heads) t-statistic of each head's per-sample signed δ error (`delta_error` telemetry): mean
+    over the sampled steps / its standard error. Noise gives roughly N(0, 1) per head, so Σt² ≈ heads."""
+    err = torch.tensor(run.telemetry("delta_error")[1], dtype=torch.float64)  # (samples, layers, heads)
+    return torch.tensor([[ErrorStats.of(err[:, i, h]).t for h in range(err.shape[2])]
+                         for i in range(err.shape[1])])
+
+
 def signature(run_dir: str | Path) -> dict:
     """The paper's signature in one run's telemetry, for the head whose δ error is most one-signed.
 
-    Per (layer, head): t of the per-sample signed δ error (`delta_error`, sampled sequences), the fraction of
-    samples at which the running sum `delta_error_cum` has its final sign, ‖W_Q,h‖ last / first, and P̄ == 1
-    entries per sampled row, first and last sample. Also the largest |t| and Σt² over heads (null: the number
-    of heads) so a single extreme head can be judged against the rest.
+    That head's t (`head_t_scores`), the fraction of samples at which the running sum `delta_error_cum` has
+    its final sign, ‖W_Q,h‖ last / first, and P̄ == 1 entries per sampled row, first and last sample; over all
+    heads the largest |t|, Σt² (null: the number of heads) and the largest ‖W_Q,h‖ growth.
     """
     run = load_run(run_dir)
-    steps, errors = run.telemetry("delta_error")
+    steps = run.telemetry("delta_error")[0]
     if len(steps) < 3:
         return {"samples": len(steps)}
-    err = torch.tensor(errors, dtype=torch.float64)  # (samples, layers, heads)
+    t = head_t_scores(run)
     cum = torch.tensor(run.telemetry("delta_error_cum")[1], dtype=torch.float64)
     wq = torch.tensor(run.telemetry("wq_norm")[1], dtype=torch.float64)
     ones = torch.tensor(run.telemetry("pbar_ones")[1], dtype=torch.float64)
     rows = run.telemetry("rows")[1]
-    _, layers, heads = err.shape
-    t = torch.tensor([[ErrorStats.of(err[:, i, h]).t for h in range(heads)] for i in range(layers)])
+    layers, heads = t.shape
     layer, head = divmod(int(t.abs().argmax()), heads)
     final_sign = torch.sign(cum[-1, layer, head])
     return {
@@ -97,6 +105,30 @@ def signature(run_dir: str | Path) -> dict:
     }
 
 
+def moving_mean(values: list[float], window: int = SPIKE_WINDOW) -> list[float]:
+    """Mean of each value and the window - 1 before it (the first window - 1 values are dropped)."""
+    return [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
+
+
+def loss_spike(run_dir: str | Path, factor: float = SPIKE_FACTOR, window: int = SPIKE_WINDOW) -> dict:
+    """First step after warmup where the moving mean of `window` logged losses exceeds `factor` x its running
+    minimum (None if never), and the largest such ratio: a loss explosion short of the trainer's stop rule
+    (diverge_factor x the minimum, default 3), which a run may recover from."""
+    run = load_run(run_dir)
+    steps, losses = run.series("loss")
+    kept = [i for i, s in enumerate(steps) if s >= run.config["warmup_iters"]]
+    means = moving_mean([losses[i] for i in kept], window)
+    first, worst, low = None, 1.0, math.inf
+    for step, mean in zip([steps[i] for i in kept[window - 1 :]], means, strict=True):
+        if not math.isfinite(mean):
+            return {"spike_step": first if first is not None else step, "max_ratio": math.inf}
+        low = min(low, mean)
+        worst = max(worst, mean / low)
+        if first is None and mean > factor * low:
+            first = step
+    return {"spike_step": first, "max_ratio": worst}
+
+
 def run_summary(run_dir: Path) -> dict:
     """Status, explosion step, tokens, time, last loss and signature of one run folder."""
     try:
@@ -106,6 +138,7 @@ def run_summary(run_dir: Path) -> dict:
     losses = run.series("loss")[1]
     out = {key: run.summary.get(key) for key in ("status", "explosion_step", "steps", "tokens", "time_s")}
     out["last_logged_loss"] = losses[-1] if losses else None
+    out.update(loss_spike(run_dir))
     out["signature"] = signature(run_dir)
     return out
 
@@ -211,12 +244,13 @@ def run(args: argparse.Namespace) -> int:
 
 def format_runs(runs: dict[str, dict]) -> str:
     """A table: run, status, explosion step, steps, last loss, the most one-signed head's t, ‖W_Q‖ growth."""
-    lines = [f"{'run':<16} {'status':<12} {'explode':>8} {'steps':>7} {'loss':>7} {'max|t|':>7} "
+    lines = [f"{'run':<16} {'status':<12} {'explode':>8} {'spike':>7} {'steps':>7} {'loss':>7} {'max|t|':>7} "
              f"{'Σt²/heads':>9} {'WQ x':>6}"]
     for name, r in runs.items():
         sig = r.get("signature") or {}
         ratio = sig.get("sum_t2", math.nan) / sig.get("heads", math.nan) if sig.get("heads") else math.nan
         lines.append(f"{name:<16} {r['status']:<12} {r.get('explosion_step') or '-':>8} "
+                     f"{r.get('spike_step') or '-':>7} "
                      f"{r.get('steps') or 0:>7} {r.get('last_logged_loss') or math.nan:>7.3f} "
                      f"{sig.get('max_abs_t', math.nan):>7.1f} {ratio:>9.2f} "
                      f"{sig.get('max_wq_growth', math.nan):>6.2f}")
