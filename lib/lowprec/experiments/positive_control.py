@@ -74,6 +74,7 @@ import torch
 from tqdm import tqdm
 
 from lowprec.attention import Fix, Precision, emulated_attention, reference_attention
+from lowprec.attention.bias import ErrorStats
 from lowprec.attention.reference import causal_mask, scaled_scores
 
 PLACEMENTS = ("fa2", "paper")
@@ -415,9 +416,9 @@ def delta_identity(seed: int = 0, seq: int = 64, head_dim: int = 16, d_model: in
 
 
 def t_stat(values: list[float]) -> float:
-    x = torch.tensor(values, dtype=torch.float64)
-    se = float(x.std()) / math.sqrt(len(x)) if len(x) > 1 else 0.0
-    return float(x.mean()) / se if se > 0 else 0.0
+    """t = mean / standard error of a per-step series (chapter 2's ErrorStats), 0 for a constant series."""
+    t = ErrorStats.of(torch.tensor(values, dtype=torch.float64)).t
+    return t if math.isfinite(t) else 0.0
 
 
 def slope(values: list[float]) -> float:
