@@ -57,7 +57,10 @@ def test_signature_reads_the_per_head_telemetry(tmp_path):
 
 
 def test_explode_rejects_bad_arguments(tmp_path, capsys):
-    for extra in (["--arms", "fa3"], ["--seeds", ""], ["--minutes", "0"], ["--set", "nonsense=1"]):
+    (tmp_path / "x" / "fa2-s1").mkdir(parents=True)
+    (tmp_path / "x" / "fa2-s1" / "metrics.jsonl").write_text("")
+    for extra in (["--arms", "fa3"], ["--seeds", ""], ["--seeds", "1,two"], ["--minutes", "0"],
+                  ["--set", "nonsense=1"], ["--arms", "fa2", "--seeds", "1"]):
         code = lowprec_main(["experiment", "explode", "--out", str(tmp_path / "x"), "--gpus", "0", *extra])
         assert code == 2, extra
         assert "lowprec experiment explode:" in capsys.readouterr().err

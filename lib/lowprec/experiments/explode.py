@@ -197,12 +197,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         arms = [a.strip() for a in args.arms.split(",") if a.strip()]
         specs = {arm: arm_spec(arm, args.backend) for arm in arms}
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
         if not arms or not seeds:
             raise ValueError("--arms and --seeds must each name at least one item")
         if args.minutes <= 0:
             raise ValueError(f"--minutes must be > 0, got {args.minutes}")
         get_config(args.config, args.overrides)  # a bad override fails here, before anything starts
+        taken = [run_name(arm, seed) for seed in seeds for arm in arms
+                 if (Path(args.out) / run_name(arm, seed) / "metrics.jsonl").exists()]
+        if taken:
+            raise ValueError(f"--out {args.out} already holds runs {taken}: choose a new --out folder")
     except ValueError as exc:
         print(f"lowprec experiment explode: {exc}", file=sys.stderr)
         return 2
