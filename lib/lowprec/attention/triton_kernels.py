@@ -184,27 +184,28 @@ def _round_bits(x, CODE: tl.constexpr, seed, stream, idx):
 
 
 @triton.jit
+def _cast(x, KIND: tl.constexpr):
+    """NONE: x; CAST_BF16 / CAST_FP16: x through bf16 / fp16 (round to nearest even) and back to fp32."""
+    if KIND == 1:
+        return x.to(tl.bfloat16).to(tl.float32)
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def _round(x, CODE: tl.constexpr, seed, stream, idx):
     """One rounding point (precision.py's round_* functions): fp32 in, fp32 values of the format out."""
-    if (CODE & 15) == 0:
-        return x
-    elif (CODE & 15) == 1:
-        return x.to(tl.bfloat16).to(tl.float32)
-    elif (CODE & 15) == 2:
-        return x.to(tl.float16).to(tl.float32)
+    if (CODE & 15) <= 2:
+        return _cast(x, CODE & 15)
     elif (CODE & 15) == 5:
-        # "ones": [1 - 2^-(M+2), 1 + 2^-(M+1)] rounds to 1.0 in the format (both midpoints tie to even 1.0)
+        # "ones": [1 - 2^-(M+2), 1 + 2^-(M+1)] rounds to 1.0 in the format (both midpoints tie to even 1.0);
+        # every other value takes the host's cast
         M: tl.constexpr = (CODE >> 8) & 31
-        HOST: tl.constexpr = (CODE >> 14) & 3
         LO: tl.constexpr = 1.0 - 1.0 / (1 << (M + 2))
         HI: tl.constexpr = 1.0 + 1.0 / (1 << (M + 1))
-        if HOST == 1:
-            rest = x.to(tl.bfloat16).to(tl.float32)
-        elif HOST == 2:
-            rest = x.to(tl.float16).to(tl.float32)
-        else:
-            rest = x
-        return tl.where((x >= LO) & (x <= HI), 1.0, rest)
+        return tl.where((x >= LO) & (x <= HI), 1.0, _cast(x, (CODE >> 14) & 3))
     else:
         return _round_bits(x, CODE, seed, stream, idx)
 
