@@ -8,6 +8,7 @@ import pytest
 from lowprec.cli import main as lowprec_main
 from lowprec.experiments.explode import arm_spec, signature
 from lowprec.model import GPTConfig
+from lowprec.runs import load_run
 
 
 def test_arm_specs_name_the_attention_they_run():
@@ -50,7 +51,7 @@ def test_signature_reads_the_per_head_telemetry(tmp_path):
                          "attention=emulated/precision=fa2:weights=e8m1@ones", "--set", "max_iters=60",
                          "--set", "telemetry_interval=10", "--set", "log_interval=5"])
     assert code == 0
-    sig = signature(tmp_path / "r")
+    sig = signature(load_run(tmp_path / "r"))
     assert sig["samples"] == 6 and sig["heads"] == 4
     assert 0 <= sig["cum_same_sign_fraction"] <= 1 and sig["wq_growth"] > 0
     assert sig["max_abs_t"] == abs(sig["t"]) and sig["sum_t2"] >= sig["t"] ** 2

@@ -201,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"lowprec replay: {exc}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from lowprec.train import leave_process_group
+
+        leave_process_group()
     if comparison:
         print(format_comparison(comparison))
         print(f"written to {Path(comparison['replay']) / 'replay.json'}")

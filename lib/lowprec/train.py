@@ -94,6 +94,12 @@ def setup_distributed(cfg: TrainConfig) -> tuple[Dist, torch.device]:
     return d, device
 
 
+def leave_process_group() -> None:
+    """End of a command: leave the process group if this process joined one (torchrun)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def load_tokens(spec: str) -> lpdata.TokenData:
     """"sample:bytes" / "sample:gpt2" (the committed sample), "" (the default prepared dir) or a folder."""
     if spec.startswith("sample:"):
@@ -512,8 +518,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lowprec train: {exc}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary))
     return EXIT_CODES[summary["status"]]

@@ -36,10 +36,10 @@ import torch
 
 from lowprec.attention.bias import ErrorStats
 from lowprec.configs import CONFIGS, get_config
+from lowprec.model import FIX_BACKENDS
 from lowprec.runs import Run, RunRecordError, load_run, provenance, write_json
 
 PLACEMENTS = {"fa2": "fa2", "paper": "paper:tile=64", "fp32pv": "fa2:weights=none"}
-BACKENDS = ("triton", "emulated")
 FIX_BETA = 2.0
 POLL_S = 5.0
 SPIKE_FACTOR = 1.25  # a "spike": the smoothed loss rises this far above its running minimum (probe.md's rule)
@@ -49,8 +49,8 @@ SPIKE_WINDOW = 5     # logged records (log_interval steps each) in the moving me
 def arm_spec(arm: str, backend: str = "triton") -> str:
     """The attention spec of a named arm (module docstring), e.g. "ones3-fix" ->
     "triton/precision=fa2:weights=e8m3@ones/fix=2.0"."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in FIX_BACKENDS:
+        raise ValueError(f"backend must be one of {FIX_BACKENDS}, got {backend!r}")
     base, fix = (arm[:-4], True) if arm.endswith("-fix") else (arm, False)
     match = re.fullmatch(r"(ones|kbit)(\d)", base)
     if match:
@@ -75,14 +75,13 @@ def head_t_scores(run: Run) -> torch.Tensor:
                          for i in range(err.shape[1])])
 
 
-def signature(run_dir: str | Path) -> dict:
+def signature(run: Run) -> dict:
     """The paper's signature in one run's telemetry, for the head whose δ error is most one-signed.
 
     That head's t (`head_t_scores`), the fraction of samples at which the running sum `delta_error_cum` has
     its final sign, ‖W_Q,h‖ last / first, and P̄ == 1 entries per sampled row, first and last sample; over all
     heads the largest |t|, Σt² (null: the number of heads) and the largest ‖W_Q,h‖ growth.
     """
-    run = load_run(run_dir)
     steps = run.telemetry("delta_error")[0]
     if len(steps) < 3:
         return {"samples": len(steps)}
@@ -110,11 +109,10 @@ def moving_mean(values: list[float], window: int = SPIKE_WINDOW) -> list[float]:
     return [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
 
 
-def loss_spike(run_dir: str | Path, factor: float = SPIKE_FACTOR, window: int = SPIKE_WINDOW) -> dict:
+def loss_spike(run: Run, factor: float = SPIKE_FACTOR, window: int = SPIKE_WINDOW) -> dict:
     """First step after warmup where the moving mean of `window` logged losses exceeds `factor` x its running
     minimum (None if never), and the largest such ratio: a loss explosion short of the trainer's stop rule
     (diverge_factor x the minimum, default 3), which a run may recover from."""
-    run = load_run(run_dir)
     steps, losses = run.series("loss")
     kept = [i for i, s in enumerate(steps) if s >= run.config["warmup_iters"]]
     means = moving_mean([losses[i] for i in kept], window)
@@ -138,8 +136,8 @@ def run_summary(run_dir: Path) -> dict:
     losses = run.series("loss")[1]
     out = {key: run.summary.get(key) for key in ("status", "explosion_step", "steps", "tokens", "time_s")}
     out["last_logged_loss"] = losses[-1] if losses else None
-    out.update(loss_spike(run_dir))
-    out["signature"] = signature(run_dir)
+    out.update(loss_spike(run))
+    out["signature"] = signature(run)
     return out
 
 
@@ -187,7 +185,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs to spread the runs over (default: all visible; 0 = CPU)")
-    parser.add_argument("--backend", default="triton", choices=BACKENDS, help="attention implementation")
+    parser.add_argument("--backend", default="triton", choices=FIX_BACKENDS, help="attention implementation")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="config override for every run (repeatable), e.g. --set lr=3e-3")
     parser.add_argument("--grace", type=float, default=60.0, help="seconds a stopped run may take to save")
