@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
 # The explosion hunt's GPU runs (results/explode/<NAME>/), in two phases so a run may outlive one device call:
 #   PHASE=start   launches `lowprec experiment explode` in its own process session (setsid nohup) and returns
-#   PHASE=finish  waits for it, then, for every run that diverged and kept checkpoints, replays from the last
-#                 kept checkpoint at least REPLAY_LEAD steps before the explosion with the Fix on and off
-#                 (`lowprec replay`, one GPU each), and packs the records (no checkpoints) into $OUT/$NAME.tgz
+#   PHASE=status  one line per run: last logged step and loss, largest logit per layer at the last telemetry
+#   PHASE=finish  waits for it, then (unless REPLAYS=0), for every run that diverged and kept checkpoints,
+#                 replays from the last kept checkpoint at least REPLAY_LEAD steps before the explosion with the
+#                 Fix on and off (`lowprec replay`, one GPU each), and packs the records (no checkpoints) into
+#                 $OUT/$NAME.tgz
+# NAME may list several experiments started side by side (NAME="a b"); status and finish take them all.
 # Usage (repo root, data/gpt2-permissive prepared; the GPU machine has no git history, so pass the commit):
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) NAME=kbit3 ARGS="--arms kbit3,kbit3-fix --seeds 1,2,3 ..." \
 #     PHASE=start bash scripts/h200-explode.sh
 #   ... PHASE=finish OUT=/tmp/out bash scripts/h200-explode.sh
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1 LOWPREC_DATA=$PWD/data
-RUNS=${RUNS:-/tmp/explode} REPLAY_LEAD=${REPLAY_LEAD:-200} REPLAY_AFTER=${REPLAY_AFTER:-300}
+RUNS=${RUNS:-/tmp/explode} REPLAY_LEAD=${REPLAY_LEAD:-200} REPLAY_AFTER=${REPLAY_AFTER:-300} REPLAYS=${REPLAYS:-1}
+if [ "$PHASE" = status ]; then
+  for NAME1 in $NAME; do
+    python3 - "$RUNS/$NAME1" <<'PY'
+import json, sys
+from pathlib import Path
+for run in sorted(p for p in Path(sys.argv[1]).iterdir() if (p / "metrics.jsonl").exists()):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tele = [r for r in rows if r.get("telemetry")]
+    logits = [max(layer) for layer in tele[-1]["telemetry"]["max_logit"]] if tele else []
+    print(f"{run.name:<18} step {rows[-1]['step']:>6} loss {rows[-1]['loss']:7.3f}  max logit per layer "
+          + " ".join(f"{x:.3g}" for x in logits))
+PY
+  done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+  exit 0
+fi
+if [ "$(echo "$NAME" | wc -w)" -gt 1 ]; then  # several experiments: each phase for each
+  for NAME1 in $NAME; do NAME=$NAME1 bash "$0" || exit; done
+  exit 0
+fi
 EXP=$RUNS/$NAME
 if [ "$PHASE" = start ]; then
   mkdir -p "$EXP"
@@ -22,7 +45,8 @@ fi
 # finish: wait for the harness (it writes experiment.json last)
 while pgrep -f "experiment explode --out $EXP" > /dev/null; do sleep 5; done
 tail -n 20 "$EXP.log"
-python3 - "$EXP" "$REPLAY_LEAD" "$REPLAY_AFTER" > "$RUNS/replays.txt" <<'PY'
+[ "$REPLAYS" = 1 ] || : > "$RUNS/replays.txt"
+[ "$REPLAYS" = 1 ] && python3 - "$EXP" "$REPLAY_LEAD" "$REPLAY_AFTER" > "$RUNS/replays.txt" <<'PY'
 import json, re, sys
 from pathlib import Path
 exp, lead, after = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

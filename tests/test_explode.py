@@ -16,7 +16,9 @@ def test_arm_specs_name_the_attention_they_run():
     assert arm_spec("ones3-fix") == "triton/precision=fa2:weights=e8m3@ones/fix=2.0"
     assert arm_spec("kbit4", "emulated") == "emulated/precision=fa2:weights=e8m4"
     assert arm_spec("fp32pv") == "triton/precision=fa2:weights=none"
-    for arm in ("fa2", "paper-fix", "ones2", "kbit5-fix", "fp32pv"):
+    assert arm_spec("paper-fp32pv-fix") == ("triton/precision=paper:tile=64,weights=none,product=none,"
+                                            "accumulator=none/fix=2.0")
+    for arm in ("fa2", "paper-fix", "ones2", "kbit5-fix", "fp32pv", "paper-fp32pv"):
         GPTConfig(attention=arm_spec(arm))  # every arm is a valid model spec
     for bad in ("fa3", "ones", "ones12", "fix"):
         with pytest.raises(ValueError, match="unknown arm"):

@@ -129,6 +129,8 @@ CASES = {  # name: (shape, dtype, causal, tied_qkv options or None for N(0, 1) i
     "ones-window weights, fp16": ((1, 1, 90, 32), torch.float16, True, {},
                                   {"precision": "fa2:weights=e5m3@ones"}),
     "paper tiles 64": ((1, 1, 150, 32), torch.bfloat16, True, {}, {"precision": "paper:tile=64"}),
+    "paper, fp32 P̄V": ((1, 1, 150, 32), torch.bfloat16, True, {},
+                       {"precision": "paper:tile=64,weights=none,product=none,accumulator=none"}),
     "fp32 with bf16 weights": ((1, 1, 90, 32), torch.float32, False, None, {"precision": "fa2:weights=bf16"}),
 }
 

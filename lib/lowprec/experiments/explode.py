@@ -11,6 +11,8 @@ Arms are short names for attention specs (`arm_spec`):
   fa2            our Triton kernel, production rounding placement (P̄ and O in bf16)
   paper          the authors' all-bf16 placement (bf16 S, P̄, l, P̄V, running O; 64-wide tiles on a GPU)
   fp32pv         P̄ not rounded: the P̄V product in fp32 (the paper's "P̄V in high precision" control)
+  paper-fp32pv   the paper placement with P̄, the P̄V result and the running O unrounded (S, l and the stored
+                 O stay bf16): the paper's biased rounding removed, its other bf16 points kept
   onesK          fa2, but P̄ within 2^-(K+2) of 1 rounds to 1.0 (Precision "fa2:weights=e8mK@ones"): the
                  paper's error, P̄ = 1 for near-maximal scores, with a wider window and nothing else
   kbitK          fa2 with every P̄ rounded to K significand bits ("fa2:weights=e8mK")
@@ -39,7 +41,8 @@ from lowprec.configs import CONFIGS, get_config
 from lowprec.model import FIX_BACKENDS
 from lowprec.runs import Run, RunRecordError, load_run, provenance, write_json
 
-PLACEMENTS = {"fa2": "fa2", "paper": "paper:tile=64", "fp32pv": "fa2:weights=none"}
+PLACEMENTS = {"fa2": "fa2", "paper": "paper:tile=64", "fp32pv": "fa2:weights=none",
+              "paper-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none"}
 FIX_BETA = 2.0
 POLL_S = 5.0
 SPIKE_FACTOR = 1.25  # a "spike": the smoothed loss rises this far above its running minimum (probe.md's rule)
@@ -58,8 +61,8 @@ def arm_spec(arm: str, backend: str = "triton") -> str:
     elif base in PLACEMENTS:
         precision = PLACEMENTS[base]
     else:
-        raise ValueError(f"unknown arm {arm!r}: use fa2, paper, fp32pv, onesK or kbitK (K = 1..9 significand "
-                         "bits), optionally with '-fix'")
+        raise ValueError(f"unknown arm {arm!r}: use fa2, paper, fp32pv, paper-fp32pv, onesK or kbitK "
+                         "(K = 1..9 significand bits), optionally with '-fix'")
     return f"{backend}/precision={precision}" + (f"/fix={FIX_BETA}" if fix else "")
 
 
@@ -179,8 +182,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="experiment folder (one run folder per arm and seed)")
     parser.add_argument("--config", default="gpu-6l", choices=sorted(CONFIGS), help="training config")
     parser.add_argument("--arms", default="ones2,ones2-fix,fp32pv",
-                        help="comma-separated arms (module docstring): fa2, paper, fp32pv, onesK, kbitK, "
-                             "each optionally with -fix")
+                        help="comma-separated arms (module docstring): fa2, paper, fp32pv, paper-fp32pv, "
+                             "onesK, kbitK, each optionally with -fix")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
     parser.add_argument("--gpus", type=int, default=None,
