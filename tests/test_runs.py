@@ -106,3 +106,13 @@ def test_runs_does_not_import_torch_and_provenance_is_simple():
     prov = provenance(["x", "--y"])
     assert prov["command"] == ["x", "--y"] and isinstance(prov["git_dirty"], (bool, type(None)))
     assert json.dumps(prov)
+
+
+def test_launcher_commit_wins_over_the_copy_s_git(monkeypatch):
+    """On the GPU machine the tree's copy may carry stale git metadata: the launcher's commit is recorded."""
+    monkeypatch.setenv("LOWPREC_GIT_COMMIT", "0123abcd" * 5)
+    monkeypatch.delenv("LOWPREC_GIT_DIRTY", raising=False)
+    prov = provenance(["x"])
+    assert prov["git_commit"] == "0123abcd" * 5 and prov["git_dirty"] is False
+    monkeypatch.setenv("LOWPREC_GIT_DIRTY", "1")
+    assert provenance(["x"])["git_dirty"] is True

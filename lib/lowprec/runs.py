@@ -55,19 +55,19 @@ def _version(package: str) -> str | None:
 def provenance(command: list[str] | None = None) -> dict:
     """Where a result came from: git commit and dirty flag (tracked files), versions, device, command, time.
 
-    Where the tree has no git history (a copy on the GPU machine), the commit and dirty flag come from the
-    environment variables LOWPREC_GIT_COMMIT and LOWPREC_GIT_DIRTY set by whoever launched the run.
+    LOWPREC_GIT_COMMIT (and LOWPREC_GIT_DIRTY), when set by whoever launched the run, take precedence over
+    what git says: a copy of the tree on the GPU machine may carry no history, or stale history.
 
     torch's CUDA version and the device name are filled in only when torch is already imported (this module
     never imports it). `command` defaults to sys.argv.
     """
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    commit = _git("rev-parse", "HEAD")
-    dirty = None if status is None or commit is None else bool(status)
-    if commit is None and os.environ.get("LOWPREC_GIT_COMMIT"):
-        # A copy of the tree without its history (the GPU machine): the launcher passes the commit on.
+    if os.environ.get("LOWPREC_GIT_COMMIT"):
         commit = os.environ["LOWPREC_GIT_COMMIT"]
         dirty = os.environ.get("LOWPREC_GIT_DIRTY", "").lower() in ("1", "true", "yes")
+    else:
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        commit = _git("rev-parse", "HEAD")
+        dirty = None if status is None or commit is None else bool(status)
     prov = {
         "git_commit": commit,
         "git_dirty": dirty,
