@@ -17,10 +17,12 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
-# The execution cache is keyed on the chapters' text only: when the library changes, re-execute them all.
+# The execution cache is keyed on the chapters' text only: when the library or a recorded result changes,
+# re-execute them all (so the site never shows outputs computed from an old record).
 JUPYTER_CACHE := _build/.jupyter_cache/global.db
 book: setup
-	@if [ -f $(JUPYTER_CACHE) ] && [ -n "$$(find lib -name '*.py' -newer $(JUPYTER_CACHE) | head -1)" ]; then \
+	@if [ -f $(JUPYTER_CACHE) ] && [ -n "$$( { find lib -name '*.py' -newer $(JUPYTER_CACHE); \
+		find results -type f -newer $(JUPYTER_CACHE); } | head -1)" ]; then \
 		rm -rf $(dir $(JUPYTER_CACHE)); fi
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .
 
@@ -29,11 +31,26 @@ test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 # JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
+# Exploring changes no file in book/: autosave is off (the lab would otherwise rewrite every opened chapter:
+# kernelspec display name, key order, blank lines in code cells), so a chapter is written only when you save
+# it, and checkpoints go to _build/lab-checkpoints. Kernels run compiled on a CUDA machine and under the
+# Triton interpreter elsewhere. The lab's kernels and terminals have $(VENV)/bin first on PATH (terminals
+# source LAB_BASHRC after ~/.bashrc, since a login shell's /etc/profile would reset PATH), so the README's
+# `lowprec ...` commands work there.
 LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+LAB_SETTINGS := {"@jupyterlab/docmanager-extension:plugin": {"autosave": false, \
+	"defaultViewers": {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}}}
+LAB_BASHRC := $(VENV)/share/jupyter/lab/bashrc
+VENV_BIN := $(abspath $(VENV))/bin
 lab: setup
-	mkdir -p $(dir $(LAB_OVERRIDES))
-	echo '{"@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}}}' > $(LAB_OVERRIDES)
-	TRITON_INTERPRET=1 $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) book/
+	mkdir -p $(dir $(LAB_OVERRIDES)) _build/lab-checkpoints
+	echo '$(LAB_SETTINGS)' > $(LAB_OVERRIDES)
+	printf '%s\n' '[ -f ~/.bashrc ] && . ~/.bashrc' 'PATH="$(VENV_BIN):$$PATH"' > $(LAB_BASHRC)
+	if ! $(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then \
+		export TRITON_INTERPRET=1; fi; \
+	PATH="$(VENV_BIN):$$PATH" $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \
+		--ServerApp.terminado_settings="shell_command=['$(SHELL)','--rcfile','$(abspath $(LAB_BASHRC))']" \
+		--FileCheckpoints.checkpoint_dir=$(abspath _build/lab-checkpoints) book/
 
 lint: setup
 	$(PY) -m ruff check lib tests book _ext
