@@ -17,14 +17,14 @@ mkdir -p "$A/bias" "$T" $L
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 suite() {  # correctness checks share the GPU (none of them is timed)
-  timeout 250 python3 -m lowprec.attention.gpu_suite --out "$A" --sections correctness,fuzz > $L/suite.log 2>&1
+  timeout 250 python3 -m lowprec.cli measure suite --out "$A" --sections correctness,fuzz > $L/suite.log 2>&1
 }
 
 attention() {
   export CUDA_VISIBLE_DEVICES=$GPU_ATTN
   timeout 250 python3 -m pytest tests/test_flash_kernel.py -q -rs -p no:cacheprovider > $L/pytest.log 2>&1 &
   suite &
-  timeout 250 python3 -m lowprec.attention.gpu_suite --out "$A/bias" --sections bias > $L/bias.log 2>&1 &
+  timeout 250 python3 -m lowprec.cli measure suite --out "$A/bias" --sections bias > $L/bias.log 2>&1 &
   wait  # the benchmark runs alone afterwards
   timeout 220 python3 -m lowprec.cli bench attention --out "$A/bench.json" --budget 170 \
     --seq 4096,8192,16384,2048,1024 --head-dim 128,64 > $L/bench.log 2>&1

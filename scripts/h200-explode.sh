@@ -55,9 +55,9 @@ for name, run in json.loads((exp / "experiment.json").read_text())["runs"].items
         continue
     steps = sorted(int(m[1]) for p in (exp / name / "checkpoint").glob("ckpt-*.pt")
                    if (m := re.fullmatch(r"ckpt-(\d+)\.pt", p.name)))
-    before = [s for s in steps if s <= run["explosion_step"] - lead]
+    before = [s for s in steps if s <= run["diverged_step"] - lead]
     if before:
-        print(name, before[-1], run["explosion_step"] + after)
+        print(name, before[-1], run["diverged_step"] + after)
 PY
 cat "$RUNS/replays.txt"
 gpu=0 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)

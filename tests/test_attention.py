@@ -14,8 +14,9 @@ from lowprec.attention import (
     math_attention,
     reference_attention,
 )
+from lowprec.attention.fix import FixParams, fix_shift, one_threshold
 from lowprec.attention.inputs import tied_qkv
-from lowprec.attention.precision import FixParams, fix_shift, one_threshold, round_weights
+from lowprec.attention.precision import round_weights
 from lowprec.formats import FORMATS, round_to
 
 FLOOR = 1e-4  # absolute slack added to FlashAttention's "at most twice plain attention's error" rule
@@ -52,6 +53,29 @@ def test_reference_lse_and_math_dtype():
     assert o.dtype == lse.dtype == torch.float64 and lse.shape == (1, 2, 9)
     assert torch.allclose(lse[..., 0], (q[..., 0, :].double() * k[..., 0, :].double()).sum(-1) / 4)
     assert math_attention(q, k, v).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_is_exact_for_huge_tied_logits(causal):
+    """Tied scores of 4e16: lse = 4e16 + log(4) rounds to 4e16, so weights exp(s - lse) summed to 4, not 1."""
+    q = torch.full((1, 1, 4, 16), 1e8, dtype=torch.float64)
+    o, lse = reference_attention(q, q, torch.ones(1, 1, 4, 16, dtype=torch.float64), causal)
+    assert torch.equal(o, torch.ones_like(o))
+    assert torch.equal(lse, torch.full((1, 1, 4), 4e16, dtype=torch.float64))
+    v = torch.randn(1, 1, 4, 16, dtype=torch.float64)
+    means = v.cumsum(2) / torch.arange(1, 5).view(1, 1, 4, 1) if causal else v.mean(2, True).expand_as(v)
+    torch.testing.assert_close(reference_attention(q, q, v, causal)[0], means, rtol=0, atol=1e-15)
+
+
+def test_reference_gradients_are_softmax_attention_s():
+    q, k, v = (t.requires_grad_() for t in rand_qkv((1, 2, 9, 16), torch.float64))
+    o, lse = reference_attention(q, k, v)
+    s = (q @ k.transpose(-1, -2) / 4).masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), float("-inf"))
+    plain_o, plain_lse = torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    grads = torch.autograd.grad(o.sum() + lse.sum(), (q, k, v))
+    plain_grads = torch.autograd.grad(plain_o.sum() + plain_lse.sum(), (q, k, v))
+    for a, b in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +127,7 @@ def test_fix_no_nan_for_huge_logits():
         ref = forward_backward(lambda *t: reference_attention(*t)[0], q, k, v, do)
         assert max_err(grads[0], ref[0]) < 0.02
         stats = emulated_attention(q, k, v, fix=fix, return_stats=True)[1].totals()
-        assert stats["fallbacks"] > 0 and stats["rows_triggered"] > 0
+        assert stats["fix_fallbacks"] > 0 and stats["rows_triggered"] > 0
 
 
 def triggered_rows_ones(precision="fa2", **tie_kw):
@@ -269,3 +293,12 @@ def test_value_errors():
         with pytest.raises(ValueError):
             call()
         assert name
+
+
+def test_tile_sizes_must_be_positive_ints():
+    """Only None means "the default tile"; 0 used to mean it too, silently."""
+    q, k, v = rand_qkv((1, 2, 8, 16))
+    for name, value in (("block_m", 0), ("block_n", 0), ("block_m", True), ("block_n", -16)):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            emulated_attention(q, k, v, **{name: value})
+    assert torch.equal(emulated_attention(q, k, v, block_m=None), emulated_attention(q, k, v, block_m=64))

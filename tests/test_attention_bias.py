@@ -1,4 +1,4 @@
-"""Signed bias of the emulated flash-attention forward on adversarial rows (lowprec.attention.bias).
+"""Signed bias of the emulated flash-attention forward on adversarial rows (lowprec.instruments.bias).
 
 Each measurement uses 20,480 seeded rows (320 heads x 64 queries); t-statistics count rows, so |t| > 10 is a
 bias far beyond chance and |t| < 5 is indistinguishable from none at this size.
@@ -12,7 +12,9 @@ import math
 
 import pytest
 import torch
-from lowprec.attention.bias import (
+from lowprec.attention import Fix, Precision, Rounding
+from lowprec.attention.emulated import emulated_attention
+from lowprec.instruments.bias import (
     CASES,
     NEAR_WINDOW,
     SEQ,
@@ -24,8 +26,6 @@ from lowprec.attention.bias import (
     format_table,
     measure_bias,
 )
-from lowprec.attention.emulated import emulated_attention
-from lowprec.attention.precision import Fix, Precision, Rounding
 
 ROWS = 20_480
 
@@ -140,10 +140,10 @@ def test_truncating_pbar_is_catastrophically_biased():
 
 def test_gpu_suite_and_bench_run_on_cpu(tmp_path):
     """The GPU scripts' code paths at toy sizes, through Triton's interpreter (real numbers need a GPU)."""
-    from lowprec.attention import gpu_suite
     from lowprec.cli import main as lowprec_main
 
-    assert gpu_suite.main(["--out", str(tmp_path), "--smoke", "--rows", "64", "--fuzz", "2"]) == 0
+    assert lowprec_main(["measure", "suite", "--out", str(tmp_path), "--smoke", "--rows", "64", "--fuzz",
+                         "2"]) == 0
     suite = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert suite["provenance"]["git_commit"] and suite["errors"] == []
     assert {r["impl"] for r in suite["bias"]} >= {"triton", "triton+fix", "emulated-fa2"}

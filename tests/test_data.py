@@ -8,7 +8,10 @@ import gzip
 import importlib
 import io
 import json
+import signal
 import struct
+import subprocess
+import sys
 import tarfile
 import zipfile
 import zlib
@@ -355,9 +358,10 @@ def test_manifest_flags_gpl_and_local_only(tmp_path):
 
 
 def test_cli_errors(tmp_path, capsys):
-    assert cli_main(["data", "info", str(tmp_path / "missing")]) == 1
+    """User mistakes end in one line and exit status 2 (the CLI's one error contract)."""
+    assert cli_main(["data", "info", str(tmp_path / "missing")]) == 2
     assert "no prepared token data" in capsys.readouterr().err
-    assert cli_main(["data", "prepare", "--sources", "owt", "--out", str(tmp_path / "x")]) == 1
+    assert cli_main(["data", "prepare", "--sources", "owt", "--out", str(tmp_path / "x")]) == 2
     assert "unknown source 'owt'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["data", "prepare", "--tokenizer", "sentencepiece"])
@@ -421,3 +425,49 @@ def test_sampler_rejects_bad_arguments():
         batch_indices(0, 0, 100, 2, 10, rank=4, world_size=4)
     with pytest.raises(ValueError, match="seed=-1"):
         batch_indices(-1, 0, 100, 2, 10)
+
+
+KILL_MID_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from lowprec.data import get_tokenizer
+from lowprec.data.prepare import write_dataset
+
+def sources():
+    yield {"name": "a", "terms": "permissive"}, ["six " * 10000, "seven"]
+    os.kill(os.getpid(), signal.SIGTERM)  # `kill` while the next source is read, after one was written
+    yield {"name": "b", "terms": "permissive"}, ["eight"]
+
+write_dataset(Path(sys.argv[1]), sources(), get_tokenizer("bytes"), 0.3, {"v": 2}, "cmd", progress=False)
+"""
+
+
+def test_sigterm_mid_write_leaves_no_temporary_files(tmp_path):
+    out = tmp_path / "tok"
+    prep.write_dataset(out, [({"name": "a", "terms": "permissive"}, ["one", "two", "three"])],
+                       get_tokenizer("bytes"), 0.3, {"v": 1}, "cmd", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, str(out)], capture_output=True, text=True)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temporary files, the old data
+
+
+def test_prepare_checks_its_folders_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "fetch", lambda *a: pytest.fail("fetched for a prepare that cannot write"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=f"data dir {tmp_path / 'file'} is a file, not a folder"):
+        prepare("sotu", "bytes", out=tmp_path / "file", raw=tmp_path / "raw", progress=False)
+    with pytest.raises(NotADirectoryError, match="raw archive folder .*file is a file"):
+        prepare("sotu", "bytes", out=tmp_path / "out", raw=tmp_path / "file" / "raw", progress=False)
+
+
+@pytest.mark.parametrize("manifest, words", [
+    ('{"format": "lowprec-tokens/1"}', "incomplete (KeyError: 'splits')"),
+    ('{"format": "lowprec-tokens/1", "splits": []}', "incomplete (TypeError"),
+    ("[1]", "corrupt (not a JSON object)"),
+])
+def test_an_incomplete_manifest_is_named(tmp_path, manifest, words):
+    (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(ValueError) as info:
+        TokenData(tmp_path)
+    assert f"{tmp_path / 'manifest.json'} is {words}" in str(info.value)

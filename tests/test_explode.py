@@ -5,24 +5,32 @@ from __future__ import annotations
 import json
 
 import pytest
+from lowprec.analysis import signature
+from lowprec.attention import AttentionSpec
 from lowprec.cli import main as lowprec_main
-from lowprec.experiments.explode import arm_spec, signature
+from lowprec.instruments.explode import arm_of, arm_spec
 from lowprec.model import GPTConfig
 from lowprec.runs import load_run
 
 
 def test_arm_specs_name_the_attention_they_run():
-    assert arm_spec("fa2") == "triton/precision=fa2"
-    assert arm_spec("ones3-fix") == "triton/precision=fa2:weights=e8m3@ones/fix=2.0"
-    assert arm_spec("kbit4", "emulated") == "emulated/precision=fa2:weights=e8m4"
-    assert arm_spec("fp32pv") == "triton/precision=fa2:weights=none"
-    assert arm_spec("paper-fp32pv-fix") == ("triton/precision=paper:tile=64,weights=none,product=none,"
-                                            "accumulator=none/fix=2.0")
-    for arm in ("fa2", "paper-fix", "ones2", "kbit5-fix", "fp32pv", "paper-fp32pv"):
+    assert str(arm_spec("fa2")) == "triton/precision=fa2"
+    assert str(arm_spec("ones3-fix")) == "triton/precision=fa2:weights=e8m3@ones/fix=2"
+    assert str(arm_spec("kbit4", "emulated")) == "emulated/precision=fa2:weights=e8m4"
+    assert str(arm_spec("fp32pv")) == "triton/precision=fa2:weights=none"
+    assert str(arm_spec("paper64")) == "triton/precision=paper:tile=64"
+    assert arm_spec("paper64-fp32pv-fix") == AttentionSpec.parse(
+        "triton/precision=paper:tile=64,weights=none,product=none,accumulator=none/fix=2")
+    for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv"):
         GPTConfig(attention=arm_spec(arm))  # every arm is a valid model spec
-    for bad in ("fa3", "ones", "ones12", "fix"):
+    for bad in ("fa3", "ones", "ones12", "fix", "paper"):
         with pytest.raises(ValueError, match="unknown arm"):
             arm_spec(bad)
+    for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv"):
+        assert arm_of(str(arm_spec(arm))) == arm
+    assert arm_of("triton/precision=paper:tile=64/fix=2.0") == "paper64-fix"  # as the records name it
+    with pytest.raises(ValueError, match="no explode arm"):
+        arm_of("triton/precision=paper")
 
 
 def test_explode_runs_arms_and_seeds_and_records_them(tmp_path, capsys):
@@ -33,7 +41,7 @@ def test_explode_runs_arms_and_seeds_and_records_them(tmp_path, capsys):
     assert code == 0
     record = json.loads((out / "experiment.json").read_text())
     assert set(record["runs"]) == {"ones1-s1", "ones1-fix-s1", "ones1-s2", "ones1-fix-s2"}
-    assert record["plan"]["arms"]["ones1-fix"] == "emulated/precision=fa2:weights=e8m1@ones/fix=2.0"
+    assert record["plan"]["arms"]["ones1-fix"] == "emulated/precision=fa2:weights=e8m1@ones/fix=2"
     assert record["provenance"]["git_commit"] is not None or "LOWPREC_GIT_COMMIT" not in record["provenance"]
     for name, run in record["runs"].items():
         assert run["status"] == "finished" and run["steps"] == 40, (name, run)

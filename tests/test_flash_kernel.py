@@ -12,17 +12,19 @@ import numpy as np
 import pytest
 import torch
 from lowprec.attention import Fix, attention, emulated_attention, math_attention, reference_attention
-from lowprec.attention import triton_kernels as tk
 from lowprec.attention.emulated import rowsum
+from lowprec.attention.fix import STAT_NAMES
+from lowprec.attention.flash import INTERPRET, flash_attention, flash_delta
 from lowprec.attention.inputs import tied_qkv
-from lowprec.attention.precision import STAT_NAMES, parse_format
+from lowprec.attention.precision import parse_format
+from lowprec.attention.triton_rounding import NEAREST, _round
 from lowprec.formats import round_to
 
 triton = pytest.importorskip("triton")
 tl = triton.language
-on_cpu = pytest.mark.skipif(not tk.INTERPRET, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
-on_gpu = pytest.mark.skipif(tk.INTERPRET, reason="needs a CUDA GPU (compiled kernels)")
-DEVICE = "cpu" if tk.INTERPRET else "cuda"  # where the kernels run: the interpreter (CPU) or the GPU
+on_cpu = pytest.mark.skipif(not INTERPRET, reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+on_gpu = pytest.mark.skipif(INTERPRET, reason="needs a CUDA GPU (compiled kernels)")
+DEVICE = "cpu" if INTERPRET else "cuda"  # where the kernels run: the interpreter (CPU) or the GPU
 
 
 @triton.jit
@@ -58,11 +60,11 @@ def test_interpreter_patch_is_active():
 def run_both(q, k, v, do, **kw):
     """(o, lse, delta, dq, dk, dv) and stats from the emulator and from the kernel."""
     out = {}
-    for name, fn in (("emulated", emulated_attention), ("triton", tk.flash_attention)):
+    for name, fn in (("emulated", emulated_attention), ("triton", flash_attention)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         o, lse, stats = fn(*leaves, return_lse=True, return_stats=True, **kw)
         grads = torch.autograd.grad(o, leaves, do)
-        delta = rowsum(do.float() * o.float()) if name == "emulated" else tk.flash_delta(o, do)
+        delta = rowsum(do.float() * o.float()) if name == "emulated" else flash_delta(o, do)
         out[name] = ((o, lse, delta, *grads), stats)
     return out["emulated"], out["triton"]
 
@@ -168,8 +170,8 @@ def test_fix_without_counters_is_the_same_forward():
     """The fast path (no counters: WITH_STATS off) computes the same o and lse as the instrumented one."""
     q, k, v = tied_qkv((1, 2, 150, 32), seed=3)
     for causal in (False, True):
-        o, lse, stats = tk.flash_attention(q, k, v, causal, fix=Fix(), return_lse=True, return_stats=True)
-        fast_o, fast_lse = tk.flash_attention(q, k, v, causal, fix=Fix(), return_lse=True)
+        o, lse, stats = flash_attention(q, k, v, causal, fix=Fix(), return_lse=True, return_stats=True)
+        fast_o, fast_lse = flash_attention(q, k, v, causal, fix=Fix(), return_lse=True)
         assert torch.equal(o, fast_o) and torch.equal(lse, fast_lse) and stats.totals()["rows_triggered"] > 0
 
 
@@ -200,16 +202,16 @@ def assert_within_flash_attention_rule(kernel, q, k, v, do) -> None:
 def test_kernel_within_flash_attention_rule():
     gen = torch.Generator().manual_seed(7)
     q, k, v, do = (torch.randn(1, 2, 160, 64, generator=gen).bfloat16().to(DEVICE) for _ in range(4))
-    assert_within_flash_attention_rule(tk.flash_attention, q, k, v, do)
+    assert_within_flash_attention_rule(flash_attention, q, k, v, do)
 
 
 def test_kernel_stochastic_rounding_is_seeded():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 100, 32, generator=gen).bfloat16().to(DEVICE) for _ in range(3))
     prec = "fa2:weights=e8m3@stochastic"
-    a, b, c = (tk.flash_attention(q, k, v, precision=prec, seed=s) for s in (1, 1, 2))
+    a, b, c = (flash_attention(q, k, v, precision=prec, seed=s) for s in (1, 1, 2))
     assert torch.equal(a, b) and not torch.equal(a, c)
-    nearest = tk.flash_attention(q, k, v, precision="fa2:weights=e8m3")
+    nearest = flash_attention(q, k, v, precision="fa2:weights=e8m3")
     assert not torch.equal(a, nearest)
     ref = reference_attention(q, k, v)[0]
     assert abs((a.double() - ref).mean().item()) < 1e-3
@@ -227,7 +229,7 @@ def test_stochastic_bits_are_uniform():
 @triton.jit
 def _round_probe(X, Y, seed, CODE: tl.constexpr = 4 | 8 << 4 | 3 << 8):
     i = tl.arange(0, 4096)
-    tl.store(Y + i, tk._round(tl.load(X + i), CODE, seed, 1, i))
+    tl.store(Y + i, _round(tl.load(X + i), CODE, seed, 1, i))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # inf inputs overflow n * 2^q, as intended
@@ -241,7 +243,7 @@ def test_kernel_integer_rounding_matches_round_to(fmt):
     specials = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 464.0, 1.5 * 2.0**-130, 65520.0]
     x[: len(specials)] = torch.tensor(specials)
     y = torch.empty_like(x, device=DEVICE)
-    code = tk.NEAREST | fmt.exp_bits << 4 | fmt.man_bits << 8 | int(fmt.no_inf) << 13
+    code = NEAREST | fmt.exp_bits << 4 | fmt.man_bits << 8 | int(fmt.no_inf) << 13
     _round_probe[(1,)](x.to(DEVICE), y, 0, CODE=code)
     y = y.cpu()
     expected = round_to(x, fmt)
@@ -252,7 +254,7 @@ def test_kernel_integer_rounding_matches_round_to(fmt):
 def test_kernels_compile_for_h200():
     """Compiled (not interpreted) kernels build for sm_90 without a GPU: catches code the interpreter accepts
     but the compiler does not."""
-    code = "from lowprec.attention.triton_kernels import compile_for_gpu; print(compile_for_gpu(90))"
+    code = "from lowprec.attention.flash import compile_for_gpu; print(compile_for_gpu(90))"
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -262,19 +264,19 @@ def test_kernels_compile_for_h200():
 def test_dispatch_reaches_the_kernel():
     q, k, v = (torch.randn(1, 2, 40, 16).bfloat16().to(DEVICE) for _ in range(3))
     via_dispatch = attention(q, k, v, backend="triton", fix=Fix())
-    assert torch.equal(via_dispatch, tk.flash_attention(q, k, v, fix=Fix()))
+    assert torch.equal(via_dispatch, flash_attention(q, k, v, fix=Fix()))
 
 
 def test_kernel_value_errors():
     q, k, v = (torch.randn(1, 1, 32, 16, device=DEVICE).bfloat16() for _ in range(3))
     bad_calls = [
-        lambda: tk.flash_attention(*(torch.randn(1, 1, 32, 8, device=DEVICE).bfloat16() for _ in range(3))),
-        lambda: tk.flash_attention(*(torch.randn(1, 1, 32, 256, device=DEVICE).bfloat16() for _ in range(3))),
-        lambda: tk.flash_attention(q.double(), k.double(), v.double()),
-        lambda: tk.flash_attention(q, k, v, precision="fa2:output=fp32"),
-        lambda: tk.flash_attention(q, k, v, block_m=48),
-        lambda: tk.flash_attention(q, k, v, fix=Fix(beta=0.5)),
-        lambda: tk.flash_attention(q, k, v, fix=Fix(tol=-1.0)),
+        lambda: flash_attention(*(torch.randn(1, 1, 32, 8, device=DEVICE).bfloat16() for _ in range(3))),
+        lambda: flash_attention(*(torch.randn(1, 1, 32, 256, device=DEVICE).bfloat16() for _ in range(3))),
+        lambda: flash_attention(q.double(), k.double(), v.double()),
+        lambda: flash_attention(q, k, v, precision="fa2:output=fp32"),
+        lambda: flash_attention(q, k, v, block_m=48),
+        lambda: flash_attention(q, k, v, fix=Fix(beta=0.5)),
+        lambda: flash_attention(q, k, v, fix=Fix(tol=-1.0)),
     ]
     for call in bad_calls:
         with pytest.raises(ValueError):
@@ -294,7 +296,7 @@ def test_gpu_kernel_matches_emulator_statistically():
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(2, 4, 1000, 128, generator=gen, device="cuda").bfloat16() for _ in range(4))
     for fix in (None, Fix()):
-        assert_within_flash_attention_rule(functools.partial(tk.flash_attention, fix=fix), q, k, v, do)
+        assert_within_flash_attention_rule(functools.partial(flash_attention, fix=fix), q, k, v, do)
 
 
 def test_late_interpreter_switch_is_a_clear_error():
@@ -302,7 +304,29 @@ def test_late_interpreter_switch_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("only meaningful without a GPU")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import triton\nimport lowprec.attention.triton_kernels"
+    code = "import triton\nimport lowprec.attention.flash"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "set TRITON_INTERPRET=1 in the environment" in " ".join(run.stderr.split())
+
+
+def test_batch_times_heads_is_folded_over_the_grid():
+    """B*H programs fold over the grid's y and z (CUDA caps each at 65,535): every (batch, head) is covered
+    once, and a fold's overshoot is skipped by the kernels; the kernel stays the emulator on a folded grid."""
+    from lowprec.attention.flash import GRID_YZ, _fold
+
+    for bh in (1, 7, GRID_YZ, GRID_YZ + 1, 70_000, 4_000_000):
+        y, z = _fold(bh)
+        assert y <= GRID_YZ and z <= GRID_YZ and y * z >= bh > y * (z - 1)
+    with pytest.raises(ValueError, match="batch x heads"):
+        _fold(GRID_YZ**2 + 1)
+
+
+@on_cpu
+def test_kernel_on_a_folded_grid(monkeypatch):
+    import lowprec.attention.flash as flash
+
+    monkeypatch.setattr(flash, "GRID_YZ", 4)  # B*H = 6 folds to (4, 2), with two programs skipped
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn((3, 2, 40, 16), generator=gen).bfloat16() for _ in range(4))
+    assert_bit_identical(*run_both(q, k, v, do, causal=True, fix=Fix()))

@@ -7,8 +7,8 @@ import math
 import lowprec.model as model_mod
 import pytest
 import torch
-from lowprec.attention import attention, math_attention
-from lowprec.model import GPT, GPTConfig, parse_attention, softcap_attention
+from lowprec.attention import AttentionSpec, attention, math_attention
+from lowprec.model import GPT, GPTConfig, softcap_attention
 
 
 def small(**kw) -> GPTConfig:
@@ -43,7 +43,8 @@ def test_per_layer_overrides_route_to_backends(monkeypatch):
     calls = []
 
     def recording(q, k, v, backend="sdpa", causal=True, **kw):
-        calls.append((backend, dict(kw)))
+        spec = AttentionSpec.parse(backend)  # the model passes its layer's typed spec
+        calls.append((spec.backend, {**spec.kwargs(), **kw}))
         return attention(q, k, v, backend=backend, causal=causal, **kw)
 
     monkeypatch.setattr(model_mod, "attention", recording)
@@ -58,17 +59,17 @@ def test_per_layer_overrides_route_to_backends(monkeypatch):
 
 
 def test_attention_spec_parsing():
-    from lowprec.attention.precision import Fix, Precision
-    backend, kw = parse_attention("emulated/precision=paper:tile=none/fix=2/block_m=64")
-    assert (backend, kw) == ("emulated", {"precision": "paper:tile=none", "fix": 2, "block_m": 64})
-    layer_kw = model_mod.attention_kwargs(kw)
+    from lowprec.attention import Fix, Precision
+    spec = AttentionSpec.parse("emulated/precision=paper:tile=none/fix=2/block_m=64")
+    assert (spec.backend, spec.options) == ("emulated", (("block_m", 64),))
+    layer_kw = spec.kwargs()
     assert layer_kw["precision"] == Precision.parse("paper:tile=none") and layer_kw["fix"] == Fix(beta=2.0)
-    assert model_mod.attention_kwargs(parse_attention("emulated/fix=none")[1])["fix"] is None
-    assert model_mod.attention_kwargs(parse_attention("emulated/fix=true")[1])["fix"] == Fix()
+    assert AttentionSpec.parse("emulated/fix=none").kwargs()["fix"] is None
+    assert AttentionSpec.parse("emulated/fix=true").kwargs()["fix"] == Fix()
     with pytest.raises(ValueError, match="backend must be one of"):
-        parse_attention("flash2")
+        AttentionSpec.parse("flash2")
     with pytest.raises(ValueError, match="key=value"):
-        parse_attention("emulated/paper")
+        AttentionSpec.parse("emulated/paper")
     with pytest.raises(ValueError, match="layers are 0-based"):
         small(layer_attention={3: "math"})
     with pytest.raises(ValueError, match="heads are 0-based"):

@@ -1,4 +1,4 @@
-"""The positive control (lowprec.experiments.positive_control): with fa2 rounding and no fix the δ error is
+"""The positive control (lowprec.instruments.positive_control): with fa2 rounding and no fix the δ error is
 one-signed and W_Q drifts along R until the attention collapses onto the sinks; with the fix it tracks the
 float64 reference. Seeded; ~10 s on one core."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 from lowprec.cli import main
-from lowprec.experiments.positive_control import (
+from lowprec.instruments.positive_control import (
     ControlConfig,
     bias_probe,
     delta_identity,

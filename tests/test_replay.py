@@ -1,17 +1,20 @@
-"""Replay: kept checkpoints, spec_with_fix / GPTConfig.with_fix, bit-exact replay with the run's own setting,
-a different loss curve with the Fix switched, the comparison record, and the errors."""
+"""Replay: kept checkpoints, AttentionSpec.with_fix / GPTConfig.with_fix, bit-exact replay with the run's own
+setting, a different loss curve with the Fix switched, the comparison record, and the errors."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from lowprec import cli
+from lowprec.attention import AttentionSpec
 from lowprec.configs import get_config
-from lowprec.model import GPTConfig, spec_with_fix
+from lowprec.model import GPTConfig
 from lowprec.replay import compare_runs, find_checkpoint, replay
 from lowprec.runs import load_run
 from lowprec.train import CHECKPOINT, train
@@ -41,13 +44,17 @@ def original(tmp_path_factory) -> tuple:
     return out, losses
 
 
+def spec_with_fix(text: str, beta: float | None) -> str:
+    return str(AttentionSpec.parse(text).with_fix(beta))
+
+
 def test_spec_with_fix():
     assert spec_with_fix("emulated/precision=fa2", 2) == "emulated/precision=fa2/fix=2"
     assert spec_with_fix("emulated/precision=fa2", 2.5) == "emulated/precision=fa2/fix=2.5"
     assert (spec_with_fix("triton/fix=7/precision=fa2:weights=e8m3", 2.0)
             == "triton/precision=fa2:weights=e8m3/fix=2")
     assert spec_with_fix("triton/precision=paper/fix=true", None) == "triton/precision=paper"
-    assert spec_with_fix("emulated", None) == "emulated"
+    assert spec_with_fix("emulated", None) == "emulated/precision=fa2"
     for spec in ("sdpa", "sdpa/sdpa_backend=flash", "math", "reference"):
         with pytest.raises(ValueError, match=f"backend '{spec.split('/')[0]}' cannot take a fix.*emulated"):
             spec_with_fix(spec, 2)
@@ -57,10 +64,13 @@ def test_spec_with_fix():
         spec_with_fix("flash", 2)
 
     mixed = GPTConfig(n_layer=3, attention="math", layer_attention={1: FLASH, 2: "sdpa"})
-    assert mixed.with_fix(2).layer_attention == {1: FLASH + "/fix=2", 2: "sdpa"}
-    assert mixed.with_fix(2).attention == "math"
+    fixed = mixed.with_fix(2)
+    assert {k: str(v) for k, v in fixed.layer_attention.items()} == {1: FLASH + "/fix=2", 2: "sdpa"}
+    assert str(fixed.attention) == "math"
     flash = GPTConfig(n_layer=2, attention=FLASH + "/fix=7", layer_attention={1: "math"})
-    assert (flash.with_fix(None).attention, flash.with_fix(None).layer_attention) == (FLASH, {1: "math"})
+    unfixed = flash.with_fix(None)
+    assert (str(unfixed.attention), {k: str(v) for k, v in unfixed.layer_attention.items()}) == (FLASH,
+                                                                                               {1: "math"})
     with pytest.raises(ValueError, match=r"no layer can take the Fix.*\['math', 'sdpa'\]"):
         GPTConfig(n_layer=2, attention="sdpa", layer_attention={0: "math"}).with_fix(2)
 
@@ -111,7 +121,8 @@ def test_replay_with_the_fix_switched_differs(original, capsys):
     assert comparison["runs"]["replay"]["attention"] == FLASH + "/fix=3"
     assert "first difference at step" in printed and "fix=3" in printed
     assert load_run(folder).events_of("start")[0]["beta"] == 3
-    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [".gitignore", CHECKPOINT]
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [".gitignore", CHECKPOINT,
+                                                                        CHECKPOINT + ".sha256"]
 
 
 def test_find_checkpoint_uses_the_latest_when_nothing_is_kept(tmp_path):
@@ -158,3 +169,25 @@ def test_replay_errors(original, tmp_path, capsys):
 def test_compare_runs_needs_no_torch():
     code = "import sys, lowprec.replay; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_replay_checks_the_checkpoints_it_reads(original, tmp_path, capsys):
+    """A corrupt kept checkpoint stops the replay in one line naming it; a corrupt ckpt.pt is left out, so the
+    intact kept ones still serve."""
+    run = Path(shutil.copytree(original[0], tmp_path / "run", ignore=shutil.ignore_patterns("replay-*")))
+
+    def flip_a_byte(name: str) -> Path:
+        path = run / "checkpoint" / name
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(data)
+        return path
+
+    kept = flip_a_byte("ckpt-000008.pt")
+    assert cli.main(["replay", str(run), "--from", "8", "--steps", "1", "--fix", "off"]) == 2
+    assert capsys.readouterr().err == (f"lowprec replay: checkpoint {kept} is corrupt: its sha256 does not "
+                                       f"match {kept.name}.sha256 (truncated or changed on disk)\n")
+    assert not (run / "replay-from-8-fix-off" / "metrics.jsonl").exists()
+    latest = flip_a_byte(CHECKPOINT)
+    assert cli.main(["replay", str(run), "--from", "16", "--steps", "1", "--fix", "off"]) == 0
+    assert f"replay: checkpoint {latest} is corrupt" in capsys.readouterr().err

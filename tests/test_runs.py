@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
-from lowprec.runs import RunRecordError, RunWriter, list_runs, load_run, provenance, round_floats
+from lowprec.runs import (
+    RunLockedError,
+    RunRecordError,
+    RunWriter,
+    list_runs,
+    load_run,
+    provenance,
+    round_floats,
+    run_state,
+)
 
 CONFIG = {"name": "t", "lr": 1e-3, "model": {"n_layer": 2}}
 
@@ -116,3 +126,72 @@ def test_launcher_commit_wins_over_the_copy_s_git(monkeypatch):
     assert prov["git_commit"] == "0123abcd" * 5 and prov["git_dirty"] is False
     monkeypatch.setenv("LOWPREC_GIT_DIRTY", "1")
     assert provenance(["x"])["git_dirty"] is True
+
+
+HOLD = """
+import sys
+from lowprec.runs import RunWriter
+writer = RunWriter(sys.argv[1], {})
+print("holding", flush=True)
+sys.stdin.read()  # until the test closes stdin (or kills this process)
+"""
+
+
+def test_one_writer_at_a_time_and_a_dead_one_reads_killed(tmp_path):
+    """The folder's lock is held by a live writer only: a second one is refused naming the first; a writer
+    killed mid-run leaves a "running" record that run_state calls "killed" and that can be resumed."""
+    w = RunWriter(tmp_path, CONFIG)
+    with pytest.raises(RunLockedError, match=f"being written by process {os.getpid()}"):
+        RunWriter(tmp_path, CONFIG, resume=True)
+    assert run_state(tmp_path) == "running"
+    w.close()
+    assert run_state(tmp_path) == "killed"  # closed without a final status: as good as killed
+
+    other = tmp_path / "other"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(other)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "holding\n"
+    with pytest.raises(RunLockedError, match=f"process {proc.pid}"):
+        RunWriter(other, CONFIG, resume=True)
+    assert run_state(other) == "running"
+    proc.kill()
+    proc.wait()
+    assert run_state(other) == "killed"
+    RunWriter(other, CONFIG, resume=True).close()  # the OS released the dead writer's lock
+
+
+def test_failed_runs_are_recorded_and_an_empty_one_can_be_started_again(tmp_path):
+    w = RunWriter(tmp_path / "a", CONFIG)
+    w.event("failed", 0, reason="RuntimeError: boom")
+    w.update_summary(status="failed", reason="RuntimeError: boom")
+    w.close()
+    run = load_run(tmp_path / "a")
+    assert run.summary == {"status": "failed", "reason": "RuntimeError: boom"}
+    assert run_state(run.path) == "failed"
+    RunWriter(tmp_path / "a", {**CONFIG, "lr": 1.0}).close()  # nothing logged: a fresh start may take it
+    assert load_run(tmp_path / "a").config["lr"] == 1.0
+
+    write_run(tmp_path / "b", status="failed")
+    with pytest.raises(ValueError, match=r"already holds a run \(status failed\)"):
+        RunWriter(tmp_path / "b", CONFIG)
+
+
+def test_resume_repairs_a_torn_event_line_and_refuses_a_broken_history(tmp_path):
+    write_run(tmp_path / "a")
+    events = load_run(tmp_path / "a").events
+    with open(tmp_path / "a" / "events.jsonl", "a") as f:
+        f.write('{"event": "checkpoint", "st')  # a crash mid-line
+    w = RunWriter(tmp_path / "a", CONFIG, resume=True)
+    w.event("resumed", 11)
+    w.close()
+    assert load_run(tmp_path / "a").events[:-1] == events
+
+    write_run(tmp_path / "b")
+    (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps(record(0)) + "\ngarbage\n")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    with pytest.raises(RunRecordError, match=r"metrics.jsonl:2: corrupt"):
+        RunWriter(tmp_path / "b", CONFIG, resume=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before  # refused before any write
+    (tmp_path / "b" / "metrics.jsonl").unlink()
+    with pytest.raises(RunRecordError, match=r"metrics.jsonl is missing \(resuming would lose the run's"):
+        RunWriter(tmp_path / "b", CONFIG, resume=True)  # not RunLockedError: the refusal released the lock

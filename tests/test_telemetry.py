@@ -8,17 +8,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from lowprec.attention import reference_attention
+from lowprec.attention import AttentionSpec, reference_attention
+from lowprec.attention.fix import ties
 from lowprec.model import GPT, GPTConfig
-from lowprec.telemetry import (
-    NEAR_TIE_GAP,
-    SIGNALS,
-    Telemetry,
-    head_weights,
-    layer_signals,
-    scores,
-    tie_counts,
-)
+from lowprec.telemetry import SIGNALS, Telemetry, head_weights, layer_signals, scores
+
+NEAR_TIE_GAP = AttentionSpec("math").near_tie_window(torch.bfloat16)  # the window of a bf16 run
+
+
+def tie_counts(s32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ties(s32, s32.amax(-1), NEAR_TIE_GAP)
 
 AUTOCAST = torch.autocast("cpu", dtype=torch.bfloat16)
 
@@ -101,7 +100,7 @@ def test_delta_error_and_rank1_terms_match_explicit_computation():
     tel = Telemetry(model)
     xin, q, k, v, o, do = tel.capture(x, y, AUTOCAST)[1]
     assert o.dtype == torch.bfloat16
-    sig = layer_signals(xin, q, k, v, o, do)
+    sig = layer_signals(xin, q, k, v, o, do, window=NEAR_TIE_GAP)
     o_hp, _ = reference_attention(q, k, v)
     delta = (do.double() * o.double()).sum(-1) - (do.double() * o_hp).sum(-1)
     torch.testing.assert_close(sig["delta_error"], delta.sum((0, 2)))

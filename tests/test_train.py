@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
 import socket
+from hashlib import sha256
 
 import pytest
 import torch
 from lowprec import cli
+from lowprec.attention import AttentionSpec
+from lowprec.checkpoint import CheckpointError, load_checkpoint, save_atomic
 from lowprec.configs import CONFIGS, TrainConfig, apply_overrides, get_config, paper_gpt2_small
-from lowprec.runs import load_run
+from lowprec.runs import load_run, run_state
 from lowprec.train import CHECKPOINT, lr_at, train
 
 
@@ -80,7 +84,7 @@ def test_nan_stops_run_and_keeps_last_good_checkpoint(tmp_path):
     summary = train(cfg, tmp_path)
     run = load_run(tmp_path)
     assert summary["status"] == run.summary["status"] == "diverged"
-    assert run.summary["explosion_step"] == 12
+    assert run.summary["diverged_step"] == 12
     (event,) = run.events_of("divergence")
     assert event["step"] == 12 and "non-finite" in event["reason"]
     assert event["batch"]["seed"] == cfg.seed and event["batch"]["data_steps"] == [12]
@@ -111,7 +115,7 @@ def test_overrides_type_check_and_list_valid_keys():
     cfg = apply_overrides(get_config("smoke-cpu"), ["lr=0.01", "n_layer=3", "model.bias=true", "compile=none",
                                                     'layer_attention={"1": "sdpa"}', "hp_heads={\"0\": [1]}"])
     assert (cfg.lr, cfg.model.n_layer, cfg.model.bias, cfg.compile) == (0.01, 3, True, None)
-    assert cfg.model.layer_attention == {1: "sdpa"} and cfg.model.hp_heads == {0: [1]}
+    assert cfg.model.layer_attention == {1: AttentionSpec("sdpa")} and cfg.model.hp_heads == {0: [1]}
     with pytest.raises(ValueError, match="unknown key 'nope'.*max_iters.*n_layer"):
         apply_overrides(cfg, ["nope=1"])
     with pytest.raises(ValueError, match="max_iters='ten': expected int"):
@@ -182,3 +186,67 @@ def test_bench_train_runs_on_cpu(tmp_path, capsys):
     overhead = report["telemetry_overhead"]
     assert overhead["on"]["telemetry_samples"] == 2 and overhead["per_sample"] > 0
     assert report["provenance"]["command"] and "tok/s" in capsys.readouterr().out
+
+
+def test_a_failing_run_is_recorded_failed_and_frees_its_folder(tmp_path):
+    def boom(step: int, entry: dict) -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(tiny(), tmp_path, callback=boom)  # fails at step 0, before any metrics
+    run = load_run(tmp_path)
+    assert run.summary["status"] == run_state(tmp_path) == "failed"
+    assert run.summary["reason"] == "RuntimeError: boom" and run.events[-1]["event"] == "failed"
+    assert train(tiny(max_iters=2), tmp_path)["status"] == "finished"  # a fresh start may take the folder
+
+
+def test_config_rejects_what_cannot_run():
+    cases = (("grad_clip=-1", "grad_clip must be >= 0"), ("seed=-1", r"seed must be in \[0, 2\*\*32\)"),
+             ("seed=4294967296", "seed must be in"))
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            get_config("smoke-cpu", [change])
+
+
+def test_checkpoints_carry_a_sha256_and_saving_is_atomic(tmp_path, monkeypatch):
+    path, sums = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.sha256"
+    save_atomic({"step": 1}, path)
+    assert load_checkpoint(path) == {"step": 1}
+    assert sums.read_text() == f"{sha256(path.read_bytes()).hexdigest()}  ckpt.pt\n"  # as sha256sum writes
+    replace = os.replace
+
+    def full_disk_at(target):
+        """os.replace, failing as `target` is renamed in while the sums list the old and the new file."""
+        def rename(src, dst):
+            if str(dst) == str(target) and len(sums.read_text().splitlines()) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            replace(src, dst)
+        return rename
+
+    for target, kept in ((path, {"step": 1}), (sums, {"step": 2})):
+        save_atomic({"step": 1}, path)
+        monkeypatch.setattr(os, "replace", full_disk_at(target))
+        with pytest.raises(OSError, match=f"cannot write {target}: No space left"):
+            save_atomic({"step": 2}, path)
+        monkeypatch.undo()
+        assert load_checkpoint(path) == kept  # the old file, or the new one: either verifies
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "ckpt.pt.sha256"]  # no temp file
+
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} is corrupt"):
+        load_checkpoint(path)
+    sums.unlink()
+    with pytest.raises(CheckpointError, match="has no checksum file ckpt.pt.sha256"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "nope.pt")
+
+
+def test_a_resumed_finished_run_keeps_its_record(tmp_path, capsys):
+    summary = train(tiny(max_iters=4), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert train(tiny(max_iters=4), tmp_path, resume=True) == load_run(tmp_path).summary
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert "nothing to do" in capsys.readouterr().err and summary["final_loss"] is not None

@@ -1,34 +1,64 @@
-"""The `lowprec` command. Each subcommand lives in its own module, which exposes
-`configure(parser)` (add arguments) and `run(args) -> int` (do the work); they are imported lazily so
-`lowprec --help` stays fast and a missing optional dependency only affects its own subcommand."""
+"""The `lowprec` command. Every subcommand lives in its own module, which exposes `configure(parser)` (add
+arguments) and `run(args) -> int` (do the work, raising ValueError for a user mistake); modules are imported
+lazily, so `lowprec --help` stays fast and a missing optional dependency only affects its own subcommand.
+No module imports this one: `COMMANDS` is the one place a command is registered.
+
+One contract for errors: a ValueError (RunRecordError included) or OSError from a command ends as one line
+`lowprec <command>: <message>` on stderr and exit status 2; `--traceback` (or LOWPREC_TRACEBACK=1) shows the
+traceback instead, for debugging.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-# subcommand -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
+Command = tuple[str, str]  # (module, one-line help)
+COMMANDS: dict[str, Command | dict[str, Command]] = {
     "data": ("lowprec.data.cli", "prepare token files from package-shipped English text"),
     "train": ("lowprec.train", "train a GPT with a named config"),
-    "bench": ("lowprec.bench", "benchmark attention kernels or training throughput"),
-    "experiment": ("lowprec.experiments", "run a named experiment and record it under results/"),
     "replay": ("lowprec.replay", "re-run the last steps of a recorded run from a checkpoint"),
+    "bench": {
+        "attention": ("lowprec.instruments.bench_attention", "TFLOP/s of the attention kernels"),
+        "train": ("lowprec.instruments.bench_train", "training throughput per attention backend"),
+    },
+    "measure": {
+        "suite": ("lowprec.instruments.gpu_suite",
+                  "correctness, fuzz and bias of the real attention kernels (GPU; --smoke on a CPU)"),
+    },
+    "experiment": {
+        "positive-control": ("lowprec.instruments.positive_control",
+                             "one attention layer where biased rounding alone drives W_Q (CPU)"),
+        "explode": ("lowprec.instruments.explode",
+                    "train attention arms x seeds side by side; record who explodes and the signature"),
+        "bias-noise": ("lowprec.instruments.bias_noise",
+                       "at a run's checkpoints: the W_Q gradient's rounding bias against its batch noise"),
+    },
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowprec", description=__doc__.split("\n")[0])
+    parser.add_argument("--traceback", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        add_subcommand(sub.add_parser(name, help=help_text, description=help_text), module, f"lowprec {name}")
+    for name, entry in COMMANDS.items():
+        if isinstance(entry, tuple):
+            add_command(sub, name, entry, f"lowprec {name}")
+            continue
+        group = sub.add_parser(name, help=f"{name}: {', '.join(entry)}", description=f"lowprec {name}")
+        inner = group.add_subparsers(dest=f"{name}_command", metavar=name.upper(), required=True)
+        for inner_name, inner_entry in entry.items():
+            add_command(inner, inner_name, inner_entry, f"lowprec {name} {inner_name}")
     return parser
 
 
-def add_subcommand(parser: argparse.ArgumentParser, module: str, label: str) -> None:
-    """Let `module` configure `parser`; a module that does not exist yet marks the command unavailable."""
-    parser.set_defaults(_module=module)
+def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, label: str) -> None:
+    """Let the entry's module configure its parser; a module that does not exist marks it unavailable."""
+    module, help_text = entry
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(_module=module, _label=label)
     try:
         importlib.import_module(module).configure(parser)
     except ModuleNotFoundError as exc:
@@ -45,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if getattr(args, "_missing", None):
         parser.exit(2, f"lowprec: {args._missing}\n")
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, OSError) as exc:
+        if args.traceback or os.environ.get("LOWPREC_TRACEBACK", "") not in ("", "0"):
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"{args._label}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

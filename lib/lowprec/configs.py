@@ -79,13 +79,20 @@ class TrainConfig:
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.warmup_iters < 0 or self.lr_decay_iters < 0:
             raise ValueError("warmup_iters and lr_decay_iters must be >= 0")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.grad_accum * self.model.block_size
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values for config files and records (attention specs as strings)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["model"] = self.model.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -145,13 +152,19 @@ def _field_types(cls) -> dict[str, typing.Any]:
 
 
 def parse_value(key: str, text: str, typ) -> typing.Any:
-    """Parse `text` as `typ` (bool, int, float, str, X | None, dict/list as JSON); ValueError if it is not."""
+    """Parse `text` as `typ` (bool, int, float, str, X | None, dict/list as JSON, or a class with a `parse`
+    classmethod such as AttentionSpec); ValueError if it is not."""
     args = [a for a in typing.get_args(typ) if a is not type(None)]
     if type(None) in typing.get_args(typ):
         if text.lower() == "none":
             return None
         typ = args[0]
     origin = typing.get_origin(typ)
+    if hasattr(typ, "parse"):
+        try:
+            return typ.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"--set {key}: {exc}") from None
     try:
         if typ is bool:
             if text.lower() not in ("true", "false", "1", "0"):

@@ -178,6 +178,8 @@ def round_to(
     x = _check_tensor(x)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if generator is not None and generator.device.type != x.device.type:
         raise ValueError(f"generator must be on x's device ({x.device}), got one on {generator.device}")
 

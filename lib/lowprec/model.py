@@ -4,11 +4,8 @@ Pre-LayerNorm blocks, GELU MLP (4x), learned positions, tied input/output embedd
 dropout (the paper trains with dropout 0, and no randomness in the forward keeps resume bit-exact). Init
 N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj) N(0, 0.02/sqrt(2 n_layer)).
 
-Attention is named by a spec string "backend[/key=value/...]" handed to `lowprec.attention.attention`, e.g.
-"sdpa", "sdpa/sdpa_backend=flash", "math", "emulated/precision=paper", "emulated/precision=fa2/fix=2",
-"triton/precision=fa2:weights=e8m3". Values are parsed as int, float, true/false, none, else kept as strings;
-`precision` goes through `Precision.parse` (its own "preset:point=format,..." syntax, hence "/" between our
-options) and `fix` through `as_fix` (a beta, true = Fix(), none/false = off).
+Attention is an `AttentionSpec` (lowprec.attention.spec), given as a spec or its string
+"backend[/key=value/...]", e.g. "sdpa", "math", "emulated/precision=paper", "triton/precision=fa2/fix=2".
 
 Layers and heads are 0-indexed here: the paper's "layer 2" is index 1 and its heads 1, 7, 8, 9, 11, 12 are
 indices 0, 6, 7, 8, 10, 11. The paper's localisation experiments map to:
@@ -22,21 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lowprec.attention import BACKENDS, attention
+from lowprec.attention import AttentionSpec, attention
+from lowprec.attention.fix import Fix
 from lowprec.attention.reference import causal_mask, scaled_scores
-
-# Backends that honour `attn_softcap`: only the model's own math path applies a cap (see `softcap_attention`).
-SOFTCAP_BACKENDS = ("math",)
-# Backends that can return per-row AttentionStats (P̄ == 1 counts, Fix triggers and fallbacks).
-STATS_BACKENDS = ("emulated", "triton")
-# Backends that take the Fix (a "fix=" option in the spec).
-FIX_BACKENDS = ("emulated", "triton")
+from lowprec.attention.spec import backends_with
 
 
 @dataclass
@@ -49,8 +41,8 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     bias: bool = False
-    attention: str = "sdpa"                                          # spec for every layer
-    layer_attention: dict[int, str] = field(default_factory=dict)    # layer -> spec (replaces the default)
+    attention: AttentionSpec = field(default_factory=AttentionSpec)     # every layer (a spec or its string)
+    layer_attention: dict[int, AttentionSpec] = field(default_factory=dict)  # layer -> spec (replaces it)
     hp_heads: dict[int, list[int]] = field(default_factory=dict)     # layer -> heads whose O is fp32
     qk_layernorm: bool = False                                       # LayerNorm over head_dim on q and k
     attn_softcap: float = 0.0                                        # s -> c*tanh(s/c) on scores; 0 = off
@@ -61,7 +53,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        self.layer_attention = {int(k): v for k, v in self.layer_attention.items()}
+        self.attention = AttentionSpec.parse(self.attention)
+        self.layer_attention = {int(k): AttentionSpec.parse(v) for k, v in self.layer_attention.items()}
         self.hp_heads = {int(k): sorted({int(h) for h in v}) for k, v in self.hp_heads.items()}
         for what, keys in (("layer_attention", self.layer_attention), ("hp_heads", self.hp_heads)):
             bad = [k for k in keys if not 0 <= k < self.n_layer]
@@ -76,91 +69,38 @@ class GPTConfig:
         if self.attn_softcap < 0:
             raise ValueError(f"GPTConfig.attn_softcap must be >= 0 (0 = off), got {self.attn_softcap}")
         for layer in range(self.n_layer):
-            backend, raw = parse_attention(self.layer_spec(layer))
-            attention_kwargs(raw)  # a bad precision or fix fails here, not when the model is built
-            if self.attn_softcap and backend not in SOFTCAP_BACKENDS:
+            spec = self.layer_spec(layer)
+            if self.attn_softcap and not spec.caps.softcap:
                 raise ValueError(f"attn_softcap={self.attn_softcap} needs attention backend in "
-                                 f"{SOFTCAP_BACKENDS} (layer {layer} uses {backend!r}, which cannot cap)")
+                                 f"{backends_with('softcap')} (layer {layer} uses {spec.backend!r}, which "
+                                 "cannot cap)")
 
-    def layer_spec(self, layer: int) -> str:
+    def layer_spec(self, layer: int) -> AttentionSpec:
         """The attention spec of `layer` (0-based): its override, else the default."""
         return self.layer_attention.get(layer, self.attention)
 
-    def with_fix(self, beta: float | None) -> GPTConfig:
-        """This config with the Fix set to `beta` (None: removed) in every spec whose backend takes one
-        (`FIX_BACKENDS`: the default and each layer_attention override); the other specs are kept.
-        ValueError if no layer runs such a backend."""
-        specs = sorted({self.layer_spec(layer) for layer in range(self.n_layer)})
-        if not any(parse_attention(spec)[0] in FIX_BACKENDS for spec in specs):
-            raise ValueError(f"no layer can take the Fix: the model's attention specs {specs} use none of "
-                             f"the backends {FIX_BACKENDS}")
+    def with_fix(self, fix: Fix | float | None) -> GPTConfig:
+        """This config with the Fix set (None: removed) in every spec whose backend takes one (the default
+        and each layer_attention override); the other specs are kept. ValueError if no layer takes one."""
+        specs = [self.layer_spec(layer) for layer in range(self.n_layer)]
+        if not any(spec.caps.fix for spec in specs):
+            raise ValueError(f"no layer can take the Fix: the model's attention specs "
+                             f"{sorted({str(s) for s in specs})} use none of the backends "
+                             f"{backends_with('fix')}")
 
-        def fixed(spec: str) -> str:
-            return spec_with_fix(spec, beta) if parse_attention(spec)[0] in FIX_BACKENDS else spec
+        def fixed(spec: AttentionSpec) -> AttentionSpec:
+            return spec.with_fix(fix) if spec.caps.fix else spec
 
         layers = {layer: fixed(spec) for layer, spec in self.layer_attention.items()}
         return replace(self, attention=fixed(self.attention), layer_attention=layers)
 
-
-def _parse_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_attention(spec: str) -> tuple[str, dict]:
-    """"backend[/key=value/...]" -> (backend, raw keyword dict); ValueError on a malformed spec."""
-    backend, *items = spec.split("/")
-    if backend not in BACKENDS:
-        raise ValueError(f"attention spec {spec!r}: backend must be one of {BACKENDS}")
-    kw = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"attention spec {spec!r}: options are key=value items separated by '/', "
-                             f"got {item!r}")
-        kw[key.strip()] = _parse_value(value.strip())
-    return backend, kw
-
-
-def attention_kwargs(raw: dict) -> dict:
-    """Turn spec values into what `lowprec.attention.attention` takes (Precision / Fix objects)."""
-    kw = dict(raw)
-    if "precision" in kw:
-        from lowprec.attention.precision import Precision
-        kw["precision"] = Precision.parse(str(kw["precision"]))
-    if "fix" in kw:
-        from lowprec.attention.precision import as_fix
-        kw["fix"] = as_fix(kw["fix"])
-    return kw
-
-
-def spec_with_fix(spec: str, beta: float | None) -> str:
-    """`spec` with its "fix=" option set to `beta` (None: removed), the other options kept in order:
-    spec_with_fix("emulated/precision=fa2", 2) == "emulated/precision=fa2/fix=2". ValueError if the spec's
-    backend is not one of `FIX_BACKENDS` or `beta` is not a valid Fix beta (a finite number > 1)."""
-    backend, _ = parse_attention(spec)
-    if backend not in FIX_BACKENDS:
-        raise ValueError(f"attention spec {spec!r}: backend {backend!r} cannot take a fix; only "
-                         f"{FIX_BACKENDS} can")
-    items = [item for item in spec.split("/")[1:] if item.partition("=")[0].strip() != "fix"]
-    if beta is not None:
-        number = int(beta) if float(beta).is_integer() else float(beta)  # "fix=2", not "fix=2.0"
-        items.append(f"fix={number}")
-    new = "/".join([backend, *items])
-    try:
-        attention_kwargs(parse_attention(new)[1])
-    except ValueError as exc:
-        raise ValueError(f"attention spec {new!r}: {exc}") from None
-    return new
+    def to_dict(self) -> dict:
+        """Plain values for config files and records: specs as their strings."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["attention"] = str(self.attention)
+        out["layer_attention"] = {layer: str(spec) for layer, spec in self.layer_attention.items()}
+        out["hp_heads"] = {layer: list(heads) for layer, heads in self.hp_heads.items()}
+        return out
 
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float) -> torch.Tensor:
@@ -184,8 +124,6 @@ class CausalSelfAttention(nn.Module):
         self.q_ln = nn.LayerNorm(head_dim, bias=config.bias) if config.qk_layernorm else None
         self.k_ln = nn.LayerNorm(head_dim, bias=config.bias) if config.qk_layernorm else None
         self.spec = config.layer_spec(layer)
-        self.backend, raw = parse_attention(self.spec)
-        self.attn_kw = attention_kwargs(raw)
         self.softcap = config.attn_softcap
         self.hp_heads = config.hp_heads.get(layer, [])
         self.lp_heads = [h for h in range(config.n_head) if h not in self.hp_heads]
@@ -222,11 +160,10 @@ class CausalSelfAttention(nn.Module):
         """The layer's attention spec (or the soft-capped math path)."""
         if self.softcap:
             return softcap_attention(q, k, v, self.softcap)
-        if self.probe is not None and self.backend in STATS_BACKENDS:
-            o, self.stats = attention(q, k, v, backend=self.backend, causal=True, return_stats=True,
-                                      **self.attn_kw)
+        if self.probe is not None and self.spec.caps.stats:
+            o, self.stats = attention(q, k, v, backend=self.spec, causal=True, return_stats=True)
             return o
-        return attention(q, k, v, backend=self.backend, causal=True, **self.attn_kw)
+        return attention(q, k, v, backend=self.spec, causal=True)
 
     def via_fp32(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """fp32 math attention (q, k, v already fp32, autocast off), soft-capped if the model caps."""

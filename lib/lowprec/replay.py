@@ -3,7 +3,7 @@ checkpoint, with the Fix switched on or off, and compare the loss curves.
 
 The batch of every step is a pure function of (seed, step) (`lowprec.data.sample_batch`), so a checkpoint
 taken before a loss spike is all a replay needs. Train with `--set ckpt_keep=true` (each checkpoint is also
-kept as <ckpt_dir>/ckpt-<step:06d>.pt), then
+kept as <ckpt_dir>/ckpt-<step:06d>.pt; its sha256 is checked before a replay starts from it), then
 
     lowprec replay RUN --from 4000 --fix on     # does the Fix keep the steps from 4000 on stable?
     lowprec replay RUN --from 4000 --fix off    # the control: does the spike come back?
@@ -27,16 +27,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from lowprec.runs import SIGNIFICANT, Run, load_run, write_json
-
-KEPT = re.compile(r"ckpt-(\d+)\.pt")
-
+from lowprec.runs import SIGNIFICANT, Run, check_target, load_run, write_json
 
 # ---- comparing records (no torch) ----
 
@@ -51,7 +47,7 @@ def _same(a: float, b: float, tol: float) -> bool:
 def _describe(run: Run, losses: dict[int, float]) -> dict:
     model = run.config["model"]
     return {"attention": model["attention"], "layer_attention": model["layer_attention"],
-            "status": run.summary["status"], "explosion_step": run.summary.get("explosion_step"),
+            "status": run.summary["status"], "diverged_step": run.summary.get("diverged_step"),
             "logged_steps": len(losses),
             "max_loss": max(losses.values(), key=lambda v: math.inf if math.isnan(v) else v, default=None),
             "last_step": max(losses, default=None), "last_loss": losses[max(losses)] if losses else None}
@@ -63,7 +59,7 @@ def compare_runs(original_dir: str | Path, replay_dir: str | Path, tol: float = 
     Returns {"original", "replay": folders, "from_step", "to_step" (last step of the window), "tolerance",
     "compared_steps" (logged by both), "first_difference": None or {"step", "original", "replay"} (the first
     common step where |loss_replay - loss_original| > tol), "identical" (no such step and both logged the
-    same steps), "runs": {"original"|"replay": {attention, layer_attention, status, explosion_step,
+    same steps), "runs": {"original"|"replay": {attention, layer_attention, status, diverged_step,
     logged_steps, max_loss, last_step, last_loss} over the window}}. Reads records only."""
     original, replay = load_run(original_dir), load_run(replay_dir)
     starts = replay.events_of("start")
@@ -89,7 +85,7 @@ def format_comparison(comparison: dict) -> str:
     for name, r in c["runs"].items():
         attention = r["attention"] + (f" {r['layer_attention']}" if r["layer_attention"] else "")
         explosion, max_loss, last_loss = ("-" if v is None else f"{v:.5g}"
-                                          for v in (r["explosion_step"], r["max_loss"], r["last_loss"]))
+                                          for v in (r["diverged_step"], r["max_loss"], r["last_loss"]))
         lines.append(f"{name:9} {r['status']:9} {explosion:>9} {max_loss:>10} {last_loss:>10}  {attention}")
     diff = c["first_difference"]
     if diff is not None:
@@ -107,19 +103,18 @@ def format_comparison(comparison: dict) -> str:
 # ---- replaying (torch) ----
 
 def available_checkpoints(ckpt_dir: Path) -> dict[int, Path]:
-    """step -> checkpoint file in `ckpt_dir`: the kept ckpt-<step>.pt files and the latest ckpt.pt."""
-    import torch
+    """step -> checkpoint file in `ckpt_dir`: the kept ckpt-<step>.pt files and the latest ckpt.pt (read for
+    its step, which checks its sha256: a corrupt one is left out, said on stderr)."""
+    from lowprec.train import CHECKPOINT, CheckpointError, kept_checkpoints, load_checkpoint
 
-    from lowprec.train import CHECKPOINT
     found = {}
     latest = ckpt_dir / CHECKPOINT
-    if latest.exists():  # mmap: reads the step without loading the tensors
-        found[torch.load(latest, map_location="cpu", mmap=True, weights_only=False)["step"]] = latest
-    for path in ckpt_dir.glob("ckpt-*.pt"):
-        match = KEPT.fullmatch(path.name)
-        if match:
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
+    if latest.exists():
+        try:
+            found[load_checkpoint(latest)["step"]] = latest
+        except CheckpointError as exc:
+            print(f"replay: {exc}; left out", file=sys.stderr)
+    return dict(sorted({**found, **kept_checkpoints(ckpt_dir)}.items()))
 
 
 def find_checkpoint(ckpt_dir: Path, step: int) -> Path:
@@ -145,6 +140,11 @@ def replay(run_dir: str | Path, from_step: int, fix: bool, beta: float = 2.0, en
 
     run_dir = Path(run_dir)
     original = read_config(run_dir)
+    default = run_dir / f"replay-from-{from_step}-fix-{'on' if fix else 'off'}"
+    out = check_target(out if out is not None else default, "--out")
+    if (out / "metrics.jsonl").exists():
+        raise ValueError(f"--out {out} already holds a run (an earlier replay?): remove it or pass another "
+                         "--out")
     if end is None:
         logged = load_run(run_dir).metrics
         if not logged:
@@ -158,10 +158,6 @@ def replay(run_dir: str | Path, from_step: int, fix: bool, beta: float = 2.0, en
                   ckpt_interval=0, ckpt_keep=False, ckpt_dir="")
     cfg = apply_overrides(cfg, overrides or [])
     checkpoint = find_checkpoint(Path(original.ckpt_dir or run_dir / "checkpoint"), from_step)
-    out = Path(out) if out is not None else run_dir / f"replay-from-{from_step}-fix-{'on' if fix else 'off'}"
-    if (out / "metrics.jsonl").exists():
-        raise ValueError(f"--out {out} already holds a run (an earlier replay?): remove it or pass another "
-                         "--out")
     train(cfg, out, command=command, callback=callback, init_from=checkpoint,
           start_fields={"replay_of": str(run_dir), "from_step": from_step, "fix": fix,
                         "beta": beta if fix else None, "checkpoint": str(checkpoint)})
@@ -197,11 +193,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
         comparison = replay(args.run, args.from_step, args.fix == "on", args.beta, end, args.out,
                             args.overrides)
-    except ValueError as exc:
-        print(f"lowprec replay: {exc}", file=sys.stderr)
-        return 2
     finally:
-        from lowprec.train import leave_process_group
+        from lowprec.dist import leave_process_group
 
         leave_process_group()
     if comparison:

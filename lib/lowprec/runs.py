@@ -6,15 +6,22 @@ A run folder holds
   sampled steps `telemetry`: {name: [[per head] per layer]});
 - `events.jsonl`: one object per event ({"event": kind, "step": ..., ...}: start, resumed, checkpoint,
   divergence, interrupted, finished, ...);
-- `summary.json`: status ("running", "finished", "diverged" or "interrupted"), explosion step, totals.
+- `summary.json`: status ("running", "finished", "diverged", "interrupted" or "failed", with the `reason`),
+  `diverged_step` (the step the stop rule fired at; "explosion_step" in older records, read as
+  diverged_step), totals;
+- `writer.lock`: the PID of the process writing the record, which holds an OS lock on it (`RunLock`) from
+  `RunWriter` open to close: a second writer is refused, and a record left "running" by a process that
+  died is told apart from a live one (`run_state`: "killed").
 Lines are appended and flushed as they happen, floats rounded to `SIGNIFICANT` digits, so a run killed at any
-moment leaves a readable record. This module must not import torch (the book loads records fast); `provenance`
-asks torch for versions only if the caller already imported it.
+moment leaves a readable record but for a last line cut off, which a resume drops. This module must not import
+torch (the book loads records fast); `provenance` asks torch for versions only if the caller already imported
+it.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import importlib.metadata
 import json
 import math
@@ -26,15 +33,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowprec.fsutil import atomic_write, check_target
+
 SIGNIFICANT = 5
-STATUSES = ("running", "finished", "diverged", "interrupted")
+STATUSES = ("running", "finished", "diverged", "interrupted", "failed")
 METRIC_KEYS = ("step", "tokens", "loss", "lr", "grad_norm", "time_s")
+EVENT_KEYS = ("event", "step")
 FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
+LOCK = "writer.lock"
 REPO = Path(__file__).resolve().parents[2]
 
 
 class RunRecordError(ValueError):
     """A run folder is missing a file, or a file is corrupt or truncated (the message names file and line)."""
+
+
+class RunLockedError(ValueError):
+    """Another live process writes the run folder (the message names it)."""
 
 
 def _git(*args: str) -> str | None:
@@ -102,34 +117,101 @@ def round_floats(obj: Any, digits: int = SIGNIFICANT) -> Any:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    """Write `obj` as indented JSON atomically (temp file + rename), floats rounded."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(round_floats(obj), indent=1) + "\n")
-    os.replace(tmp, path)
+    """Write `obj` as indented JSON atomically (`atomic_write`), floats rounded."""
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(round_floats(obj), indent=1) + "\n")
+
+
+class RunLock:
+    """An exclusive OS lock (fcntl.flock) on <run_dir>/writer.lock, which holds the owner's PID. The OS drops
+    it when the process ends, however it ends, so a killed writer never blocks its folder. Creates the folder;
+    RunLockedError naming the owner if another process holds the lock."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = check_target(run_dir, "--out") / LOCK
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+")  # noqa: SIM115 (closed in release(), or with the process)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            owner = self._file.read().strip() or "?"
+            self._file.close()
+            raise RunLockedError(f"{self.path.parent} is being written by process {owner} (it holds "
+                                 f"{self.path}): wait for it to end, or stop it, first") from None
+        self._file.truncate(0)
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Drop the lock (closing the file does); a second call does nothing."""
+        self._file.close()
+
+
+def _locked(run_dir: Path) -> bool:
+    """Whether a live process holds <run_dir>/writer.lock."""
+    try:
+        handle = open(run_dir / LOCK)  # noqa: SIM115
+    except FileNotFoundError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+def run_state(run_dir: str | Path) -> str:
+    """The status in <run_dir>/summary.json, where "running" stays "running" only while a live process holds
+    the folder's lock and becomes "killed" otherwise (its writer died without closing the record)."""
+    path = Path(run_dir)
+    status = _read_json(path / "summary.json").get("status")
+    return "killed" if status == "running" and not _locked(path) else status
 
 
 class RunWriter:
-    """Writes one run folder. `resume=True` continues an existing record (see `truncate_after`)."""
+    """Writes one run folder, holding its `RunLock` until `close()` (a lock the caller took, or a new one).
+    `resume=True` continues an existing record (see `truncate_after`), dropping a last line of metrics.jsonl
+    or events.jsonl that a kill cut off. A fresh start refuses a folder that holds a run, unless that run
+    failed or was killed before it logged any metrics."""
 
     def __init__(self, run_dir: str | Path, config: dict, command: list[str] | None = None,
-                 resume: bool = False):
+                 resume: bool = False, lock: RunLock | None = None):
         self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = lock or RunLock(self.dir)
+        try:
+            self._open(config, command, resume)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _open(self, config: dict, command: list[str] | None, resume: bool) -> None:
         if resume:
-            if not (self.dir / "config.json").exists():
-                raise RunRecordError(f"cannot resume: {self.dir / 'config.json'} does not exist")
-            record = _read_json(self.dir / "config.json")
+            for name in FILES:
+                if not (self.dir / name).exists():
+                    raise RunRecordError(f"cannot resume: {self.dir / name} is missing (resuming would lose "
+                                         "the run's history); restore it, or start afresh in a new --out")
+            record = _read_json(self.dir / "config.json")  # everything is read and checked before any write
+            self.summary: dict = _read_json(self.dir / "summary.json")
+            _complete_rows(self.dir / "metrics.jsonl", METRIC_KEYS)
+            events = _complete_rows(self.dir / "events.jsonl", EVENT_KEYS)
+            _keep_lines(self.dir / "events.jsonl", events)  # without a last line a kill cut off
             record["config"] = config
             write_json(self.dir / "config.json", record)
         else:
             if (self.dir / "metrics.jsonl").exists():
-                raise ValueError(f"run_dir {self.dir} already holds a run: pass resume=True (--resume) or "
-                                 "a new --out folder")
+                summary = self.dir / "summary.json"
+                status = _read_json(summary).get("status") if summary.exists() else None
+                status = "killed" if status == "running" else status  # the lock is ours: that writer died
+                empty = not (self.dir / "metrics.jsonl").read_text().strip()
+                if not (empty and status in ("failed", "killed")):
+                    raise ValueError(f"run_dir {self.dir} already holds a run (status {status}): pass "
+                                     "resume=True (--resume) or a new --out folder")
             write_json(self.dir / "config.json", {"config": config, "provenance": provenance(command)})
             for name in ("metrics.jsonl", "events.jsonl"):
                 (self.dir / name).write_text("")
-        self.summary: dict = _read_json(self.dir / "summary.json") if resume else {}
+            self.summary = {}
         self.update_summary(status="running")
         self._metrics = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         self._events = open(self.dir / "events.jsonl", "a")  # noqa: SIM115
@@ -158,23 +240,25 @@ class RunWriter:
         crash; events are kept."""
         self._metrics.close()
         path = self.dir / "metrics.jsonl"
-        lines = path.read_text().splitlines(keepends=True)
-        if lines and not lines[-1].endswith("\n"):
-            lines.pop()
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)
+        _keep_lines(path, [(line, row) for line, row in _complete_rows(path, METRIC_KEYS)
+                           if row["step"] <= step])
         self._metrics = open(path, "a")  # noqa: SIM115
 
     def close(self) -> None:
-        self._metrics.close()
-        self._events.close()
+        """Close the files and release the lock (also when closing fails, e.g. on a full disk)."""
+        try:
+            self._metrics.close()
+            self._events.close()
+        finally:
+            self.lock.release()
 
     @staticmethod
     def _append(handle, obj: dict) -> None:
-        handle.write(json.dumps(round_floats(obj), separators=(",", ":")) + "\n")
-        handle.flush()
+        try:
+            handle.write(json.dumps(round_floats(obj), separators=(",", ":")) + "\n")
+            handle.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot append to {handle.name}: {exc.strerror or exc}") from exc
 
 
 # ---- reading ----
@@ -216,27 +300,56 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
+def _parse_line(path: Path, number: int, line: str, required: tuple[str, ...], torn: bool = False) -> dict:
+    """Line `number` of a .jsonl file as an object holding `required` keys; RunRecordError naming file and
+    line (`torn`: the line is the last one and has no newline)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        what = "truncated (the writer stopped mid-line)" if torn else f"corrupt ({exc.msg})"
+        raise RunRecordError(f"{path}:{number}: {what}") from None
+    if not isinstance(obj, dict):
+        raise RunRecordError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise RunRecordError(f"{path}:{number}: missing keys {missing}")
+    return obj
+
+
 def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
     if not path.exists():
         raise RunRecordError(f"{path} is missing")
     text = path.read_text()
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            last = number == len(text.splitlines()) and not text.endswith("\n")
-            what = "truncated (the writer stopped mid-line)" if last else f"corrupt ({exc.msg})"
-            raise RunRecordError(f"{path}:{number}: {what}") from None
-        if not isinstance(obj, dict):
-            raise RunRecordError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
-        missing = [k for k in required if k not in obj]
-        if missing:
-            raise RunRecordError(f"{path}:{number}: missing keys {missing}")
-        rows.append(obj)
-    return rows
+    lines = text.splitlines()
+    return [_parse_line(path, number, line, required, torn=number == len(lines) and not text.endswith("\n"))
+            for number, line in enumerate(lines, start=1) if line.strip()]
+
+
+def _complete_rows(path: Path, required: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(line, object) of each line of a .jsonl file but a last one cut off mid-line (dropped)."""
+    lines = path.read_text().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    return [(line, _parse_line(path, number, line, required)) for number, line in enumerate(lines, start=1)
+            if line.strip()]
+
+
+def _keep_lines(path: Path, rows: list[tuple[str, dict]]) -> None:
+    """Rewrite a .jsonl file (atomically) with only these (line, object) rows."""
+    with atomic_write(path) as handle:
+        handle.write("".join(line for line, _ in rows))
+
+
+def load_config(run_dir: str | Path) -> dict:
+    """The config recorded in <run_dir>/config.json; RunRecordError naming the file if it is missing or
+    corrupt."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise RunRecordError(f"{path} does not exist (is {run_dir} the folder of a run?)")
+    record = _read_json(path)
+    if not isinstance(record.get("config"), dict):
+        raise RunRecordError(f"{path}: missing key 'config' (the run's config)")
+    return record["config"]
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -253,8 +366,10 @@ def load_run(run_dir: str | Path) -> Run:
         if cur["step"] <= prev["step"]:
             raise RunRecordError(f"{path / 'metrics.jsonl'}: record {number} has step {cur['step']} after "
                                  f"step {prev['step']} (steps must increase)")
-    events = _read_jsonl(path / "events.jsonl", ("event", "step"))
+    events = _read_jsonl(path / "events.jsonl", EVENT_KEYS)
     summary = _read_json(path / "summary.json")
+    if "explosion_step" in summary:  # records written before the key was renamed
+        summary["diverged_step"] = summary.pop("explosion_step")
     if summary.get("status") not in STATUSES:
         raise RunRecordError(f"{path / 'summary.json'}: status must be one of {STATUSES}, "
                              f"got {summary.get('status')!r}")

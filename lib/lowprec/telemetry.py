@@ -14,8 +14,9 @@ Signals (S = q k^T / sqrt(d), soft-capped if the model caps; P = softmax(S) in f
 - max_logit: max of S; entropy: mean over rows of -sum P log P (nats).
 - tie_rows: rows whose maximum appears more than once exactly, with S in fp32 as flash kernels form it (bf16
   q, k products summed in fp64 and rounded once to fp32, then scaled); near_tie_rows: rows with more than one
-  score s >= max - g, g = one_threshold(bf16) = -ln(1 - 2^-9) = 1.955e-3, i.e. scores whose P̄ = exp(s - max)
-  rounds to exactly 1.0 in bf16 (the definition lowprec.attention's Fix uses for its default tolerance).
+  score s >= max - g, g = the layer's `AttentionSpec.near_tie_window` (one_threshold of P̄'s format: for bf16
+  P̄, -ln(1 - 2^-9) = 1.955e-3), i.e. scores whose P̄ = exp(s - max) rounds to exactly 1.0 (the window the
+  Fix uses for its default tolerance and AttentionStats for near_tie_tiles).
 - delta_error: sum over rows of δ_lp - δ_hp with δ_lp = rowsum(dO ∘ O_lp) (O_lp the output used) and
   δ_hp = rowsum(dO ∘ O_hp), O_hp = P V recomputed in fp64 from the same q, k, v; delta_error_abs: sum of |.|;
   delta_error_cum: running sum of delta_error over the sampled steps (the paper's Fig. 5a, at the interval).
@@ -39,15 +40,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lowprec.attention.precision import one_threshold
+from lowprec.attention.fix import ties
 from lowprec.attention.reference import causal_mask
-from lowprec.formats import FORMATS
 from lowprec.model import GPT
 
-NEAR_TIE_GAP = one_threshold(FORMATS["bf16"])
 SIGNALS = ("wq_norm", "wk_norm", "max_logit", "entropy", "tie_rows", "near_tie_rows", "delta_error",
            "delta_error_abs", "delta_error_cum", "rank1_cos", "rank1_cos_prev", "delta_term_cos_prev")
-STAT_SIGNALS = {"pbar_ones": "pbar_ones", "fix_triggers": "fix_triggers", "fix_fallbacks": "fallbacks"}
+STAT_SIGNALS = ("pbar_ones", "fix_triggers", "fix_fallbacks")  # AttentionStats counters, summed per head
 FIRST_POWER_ITERS = 20
 NO_AUTOCAST = contextlib.nullcontext()
 
@@ -84,26 +83,18 @@ def scores(q: torch.Tensor, k: torch.Tensor, softcap: float = 0.0) -> tuple[torc
     return s64.masked_fill(masked, float("-inf")), s32.masked_fill(masked, float("-inf"))
 
 
-def tie_counts(s32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row booleans (..., rows): exact repeated max; more than one score within NEAR_TIE_GAP of max."""
-    m = s32.amax(dim=-1, keepdim=True)
-    exact = (s32 == m).sum(-1) > 1
-    near = (s32 >= m - NEAR_TIE_GAP).sum(-1) > 1
-    return exact, near
-
-
 def layer_signals(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                  do: torch.Tensor, softcap: float = 0.0) -> dict[str, torch.Tensor]:
+                  do: torch.Tensor, window: float, softcap: float = 0.0) -> dict[str, torch.Tensor]:
     """Per-head signals of one attention call (see the module docstring) as (heads,) tensors, plus the
     (heads, head_dim, n_embd) mean and δ-weighted rank-1 terms under "mean_term" and "delta_term".
 
-    x: attention input (B, T, C); q, k, v, o, do: (B, H, T, D).
+    x: attention input (B, T, C); q, k, v, o, do: (B, H, T, D); window: the near-tie window.
     """
     s64, s32 = scores(q, k, softcap)
     p = torch.softmax(s64, dim=-1)
     o_hp = p @ v.double()
     err = ((do.double() * o.double()).sum(-1) - (do.double() * o_hp).sum(-1))   # (B, H, T): δ_lp - δ_hp
-    exact, near = tie_counts(s32)
+    exact, near = ties(s32, s32.amax(-1), window)
     pk = (p @ k.double()).float()
     a, b = F.normalize(pk, dim=-1), F.normalize(x.float(), dim=-1)
     n = q.shape[2]
@@ -134,9 +125,9 @@ def stats_signals(model: GPT) -> dict[str, torch.Tensor]:
     for i, attn in enumerate(layers):
         if attn.stats is None:
             continue
-        for name, field in STAT_SIGNALS.items():
+        for name in STAT_SIGNALS:
             out[name][i] = 0.0
-            out[name][i, attn.lp_heads] = getattr(attn.stats, field).sum((0, 2)).double().cpu()
+            out[name][i, attn.lp_heads] = getattr(attn.stats, name).sum((0, 2)).double().cpu()
         attn.stats = None
     return out
 
@@ -197,7 +188,10 @@ class Telemetry:
         """{signal: [[per head] per layer]} plus "rows" (sampled query rows per head); one host sync."""
         captured = self.capture(x, y, autocast)
         with torch.no_grad():
-            per_layer = [layer_signals(*c, softcap=self.model.config.attn_softcap) for c in captured]
+            specs = [attn.spec for attn in self.model.attention_layers()]
+            per_layer = [layer_signals(*c, window=spec.near_tie_window(c[1].dtype),
+                                       softcap=self.model.config.attn_softcap)
+                         for c, spec in zip(captured, specs, strict=True)]
             out = {name: torch.stack([s[name] for s in per_layer]).double()
                    for name in per_layer[0] if not name.endswith("_term")}
             mean_term = torch.stack([s["mean_term"] for s in per_layer])

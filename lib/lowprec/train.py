@@ -23,7 +23,13 @@ clean check. Ctrl-C / SIGTERM finish the current step, write a checkpoint and ma
 second Ctrl-C aborts at once, still keeping the last checkpoint). Under DDP the stop request is agreed at the
 next flush. Checkpoints go to <out>/checkpoint (or ckpt_dir), with a .gitignore, and never into the records;
 with ckpt_keep each one is also kept as ckpt-<step:06d>.pt, and `Trainer(..., init_from=that file)` starts a
-fresh record from it (what `lowprec replay` does).
+fresh record from it (what `lowprec replay` does). Each checkpoint file has its sha256 beside it
+(`lowprec.checkpoint`); loading checks it, and a resume whose ckpt.pt is corrupt falls back to the newest
+intact kept copy.
+
+One process writes a record at a time: a second trainer on the same --out is refused while the first lives
+(`lowprec.runs.RunLock`). An exception (a full disk, a bug) marks the run "failed" with the reason, keeping
+the last checkpoint; resuming a finished run whose checkpoint reached max_iters changes nothing.
 """
 
 from __future__ import annotations
@@ -34,13 +40,11 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +53,21 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from lowprec import data as lpdata
+from lowprec.checkpoint import (
+    CheckpointError,
+    keep_file,
+    kept_checkpoints,
+    kept_path,
+    load_checkpoint,
+    rng_state,
+    save_atomic,
+    set_rng_state,
+)
 from lowprec.configs import CONFIGS, TrainConfig, apply_overrides, get_config
+from lowprec.dist import leave_process_group, setup_distributed
+from lowprec.fsutil import check_target
 from lowprec.model import GPT
-from lowprec.runs import RunWriter, provenance
+from lowprec.runs import RunLock, RunRecordError, RunWriter, load_config, load_run, provenance
 from lowprec.telemetry import Telemetry
 
 CHECKPOINT = "ckpt.pt"
@@ -59,46 +75,6 @@ EXIT_CODES = {"finished": 0, "diverged": 1, "interrupted": 130}
 
 
 # ---- pieces ----
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(cfg: TrainConfig) -> tuple[Dist, torch.device]:
-    """This process's rank and device; joins the process group that torchrun (or a test) describes in
-    RANK / WORLD_SIZE / LOCAL_RANK (NCCL on CUDA, gloo on CPU). A single process needs no group."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    d = Dist(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))) if world > 1 else Dist()
-    kind = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {cfg.device!r}")
-    device = torch.device("cpu")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but no CUDA device is available; use --set device=cpu")
-        torch.cuda.set_device(d.local_rank)
-        device = torch.device("cuda", d.local_rank)
-    if d.enabled and not dist.is_initialized():
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo", rank=d.rank, world_size=world)
-    return d, device
-
-
-def leave_process_group() -> None:
-    """End of a command: leave the process group if this process joined one (torchrun)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
 
 def load_tokens(spec: str) -> lpdata.TokenData:
     """"sample:bytes" / "sample:gpt2" (the committed sample), "" (the default prepared dir) or a folder."""
@@ -125,40 +101,6 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              fused=device.type == "cuda")
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_atomic(obj: dict, path: Path) -> None:
-    """torch.save to a temp file in the same folder, then rename: a crash never leaves a half checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def keep_file(path: Path, kept: Path) -> None:
-    """Give `path` the second name `kept` (a hard link, a copy where the filesystem has none), atomically: a
-    temp name first, then rename. Later atomic saves to `path` replace its name, not the kept file."""
-    tmp = kept.with_name(kept.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(path, tmp)
-    except OSError:
-        shutil.copyfile(path, tmp)
-    os.replace(tmp, kept)
 
 
 class StopRequest:
@@ -200,7 +142,8 @@ class Trainer:
         if resume and init_from is not None:
             raise ValueError("resume and init_from exclude each other: resume continues <out>'s own record, "
                              "init_from starts a new one")
-        self.cfg, self.out, self.callback = cfg, Path(out), callback
+        self.cfg, self.out, self.callback = cfg, check_target(out, "--out"), callback
+        self.ckpt_dir = check_target(cfg.ckpt_dir, "ckpt_dir") if cfg.ckpt_dir else self.out / "checkpoint"
         self.dist, self.device = setup_distributed(cfg)
         if cfg.grad_accum % self.dist.world_size:
             raise ValueError(f"grad_accum ({cfg.grad_accum}) must be divisible by the number of processes "
@@ -214,6 +157,10 @@ class Trainer:
         if cfg.model.vocab_size < self.data.vocab_size:
             raise ValueError(f"vocab_size {cfg.model.vocab_size} is smaller than the data's vocabulary "
                              f"({self.data.vocab_size}, {self.data.path})")
+        for split in ("train", "val") if cfg.eval_interval else ("train",):
+            if len(self.data.splits[split]) <= cfg.model.block_size:
+                raise ValueError(f"block_size {cfg.model.block_size} needs more tokens than the {split} "
+                                 f"split of {self.data.path} holds ({len(self.data.splits[split])})")
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = cfg.allow_tf32
             torch.backends.cudnn.allow_tf32 = cfg.allow_tf32
@@ -226,21 +173,10 @@ class Trainer:
                          else contextlib.nullcontext())
         self.telemetry = (Telemetry(self.model, cfg.telemetry_power_iters)
                           if cfg.telemetry_interval and self.dist.main else None)
-        self.ckpt_dir = Path(cfg.ckpt_dir) if cfg.ckpt_dir else self.out / "checkpoint"
         self.start_step, self.running_min, self.elapsed = 0, math.inf, 0.0
-        if resume or init_from is not None:
-            self._restore(self.ckpt_path if resume else Path(init_from))
+        if init_from is not None:
+            self._restore(Path(init_from), load_checkpoint(Path(init_from)))
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
-        self.writer = RunWriter(self.out, cfg.to_dict(), command, resume=resume) if self.dist.main else None
-        if self.writer is not None:
-            if resume:
-                self.writer.truncate_after(self.start_step - 1)
-                self.writer.event("resumed", self.start_step, provenance=provenance(command))
-            else:
-                self.writer.event("start", self.start_step, data=str(self.data.path),
-                                  world_size=self.dist.world_size, params=self.model.num_params(),
-                                  tokens_per_step=cfg.tokens_per_step, device=str(self.device),
-                                  compile=use_compile, **(start_fields or {}))
         self.forward: torch.nn.Module = torch.compile(self.model) if use_compile else self.model
         self.ddp = None
         if self.dist.enabled:  # compile first, then DDP (as nanoGPT)
@@ -248,6 +184,34 @@ class Trainer:
                 self.forward, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
                 broadcast_buffers=False)  # the only buffers are constants (head_order)
         self.pending: list[dict] = []
+        self.writer: RunWriter | None = None
+        self.done: dict | None = None  # the summary of a finished run that a resume leaves as it is
+        lock = RunLock(self.out) if self.dist.main else None  # the record is this process's from here on
+        try:
+            if resume:
+                self._restore(*self._resume_checkpoint())
+            if lock is not None and resume and self.start_step >= cfg.max_iters:
+                summary = load_run(self.out).summary
+                self.done = summary if summary["status"] == "finished" else None
+            if lock is not None and self.done is None:
+                self.writer = RunWriter(self.out, cfg.to_dict(), command, resume=resume, lock=lock)
+        finally:
+            if lock is not None and self.writer is None:
+                lock.release()
+        self.completed = self.start_step
+        if self.writer is not None:
+            try:
+                if resume:
+                    self.writer.truncate_after(self.start_step - 1)
+                    self.writer.event("resumed", self.start_step, provenance=provenance(command))
+                else:
+                    self.writer.event("start", self.start_step, data=str(self.data.path),
+                                      world_size=self.dist.world_size, params=self.model.num_params(),
+                                      tokens_per_step=cfg.tokens_per_step, device=str(self.device),
+                                      compile=use_compile, **(start_fields or {}))
+            except Exception as exc:
+                self._fail(exc)
+                raise
 
     # -- checkpoints --
 
@@ -255,12 +219,31 @@ class Trainer:
     def ckpt_path(self) -> Path:
         return self.ckpt_dir / CHECKPOINT
 
-    def _restore(self, path: Path) -> None:
-        """Load the state saved by `_checkpoint` from `path`."""
-        if not path.exists():
-            raise ValueError(f"no checkpoint at {path}")
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)  # RNG states stay on CPU
-        self.model.load_state_dict(ckpt["model"])
+    def _resume_checkpoint(self) -> tuple[Path, dict]:
+        """The checkpoint a resume continues from: ckpt.pt, or when it is missing, corrupt or has no checksum,
+        the newest intact kept copy ckpt-<step>.pt (said on stderr); CheckpointError if there is none."""
+        try:
+            return self.ckpt_path, load_checkpoint(self.ckpt_path)
+        except CheckpointError as exc:
+            problem = exc
+        for step, path in reversed(kept_checkpoints(self.ckpt_dir).items()):
+            with contextlib.suppress(CheckpointError):
+                ckpt = load_checkpoint(path)
+                if self.dist.main:
+                    print(f"{problem}; resuming from the kept copy {path} (step {step})", file=sys.stderr)
+                return path, ckpt
+        raise CheckpointError(f"{problem}, and no intact kept copy (ckpt-<step>.pt) to resume from instead")
+
+    def _restore(self, path: Path, ckpt: dict) -> None:
+        """Load the state that `_checkpoint` saved in `path` (RNG states stay on the CPU)."""
+        try:
+            self.model.load_state_dict(ckpt["model"])
+        except RuntimeError:  # parameters missing, unexpected or of another shape
+            saved, now = ckpt["config"]["model"], self.cfg.model.to_dict()
+            changed = [f"{k}={saved[k]!r} there, {v!r} here" for k, v in now.items()
+                       if k in saved and saved[k] != v]
+            raise ValueError(f"checkpoint {path} does not fit this model ({', '.join(changed)}): keep the "
+                             "model settings of the run it comes from") from None
         self.optimizer.load_state_dict(ckpt["optimizer"])
         set_rng_state(ckpt["rng"])
         if self.telemetry is not None and ckpt["telemetry"] is not None:
@@ -274,16 +257,17 @@ class Trainer:
         if self.dist.main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
             (self.ckpt_dir / ".gitignore").write_text("*\n")
-            save_atomic({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                         "rng": rng_state(), "step": next_step, "running_min": self.running_min,
-                         "elapsed": self.elapsed + time.perf_counter() - self.t_start,
-                         "telemetry": None if self.telemetry is None else self.telemetry.state_dict(),
-                         "config": self.cfg.to_dict()}, self.ckpt_path)
+            digest = save_atomic({
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": rng_state(), "step": next_step, "running_min": self.running_min,
+                "elapsed": self.elapsed + time.perf_counter() - self.t_start,
+                "telemetry": None if self.telemetry is None else self.telemetry.state_dict(),
+                "config": self.cfg.to_dict()}, self.ckpt_path)
             kept = {}
             if self.cfg.ckpt_keep:
-                kept_path = self.ckpt_dir / f"ckpt-{next_step:06d}.pt"
-                keep_file(self.ckpt_path, kept_path)
-                kept["kept"] = str(kept_path)
+                kept_copy = kept_path(self.ckpt_dir, next_step)
+                keep_file(self.ckpt_path, kept_copy, digest)
+                kept["kept"] = str(kept_copy)
             self.writer.event("checkpoint", next_step, path=str(self.ckpt_path), **kept)
         if self.dist.enabled:
             dist.barrier()
@@ -417,13 +401,28 @@ class Trainer:
                           checkpoint=str(self.ckpt_path) if self.ckpt_path.exists() else None)
 
     def run(self) -> dict:
-        """Train from start_step to max_iters (or until divergence / a stop request); returns the summary."""
-        cfg = self.cfg
+        """Train from start_step to max_iters (or until divergence / a stop request); returns the summary. An
+        exception marks the record "failed" with the reason and propagates."""
+        if self.done is not None:
+            print(f"{self.out}: nothing to do: the run finished at step {self.start_step} (max_iters "
+                  f"{self.cfg.max_iters}); --set max_iters=N continues it", file=sys.stderr)
+            if self.dist.enabled:
+                dist.barrier()  # the other ranks' (empty) run
+            return self.done
         self.t_start = self.t_flush = time.perf_counter()
         self.diverged_step, self.last_loss = None, None
+        try:
+            return self._finish(self._loop())
+        except Exception as exc:
+            self._fail(exc)
+            raise
+
+    def _loop(self) -> str:
+        """The steps; returns the status to record."""
+        cfg = self.cfg
         self.bar = (tqdm(total=cfg.max_iters, initial=self.start_step, unit="step", dynamic_ncols=True)
                     if cfg.progress and self.dist.main else None)
-        self.completed, status = self.start_step, "finished"
+        status = "finished"
         if self.start_step >= cfg.max_iters and self.writer is not None:
             self.writer.event("nothing_to_do", self.start_step, max_iters=cfg.max_iters)
         try:
@@ -457,22 +456,41 @@ class Trainer:
         finally:
             if self.bar is not None:
                 self.bar.close()
-        return self._finish(status)
+        return status
 
     def _finish(self, status: str) -> dict:
         cfg = self.cfg
         done = self.diverged_step if status == "diverged" else self.completed
         summary = {"status": status, "steps": done, "tokens": done * cfg.tokens_per_step,
                    "time_s": self.elapsed + time.perf_counter() - self.t_start,
-                   "explosion_step": self.diverged_step, "final_loss": self.last_loss,
+                   "diverged_step": self.diverged_step, "final_loss": self.last_loss,
                    "min_loss_after_warmup": self.running_min if math.isfinite(self.running_min) else None}
         if self.writer is not None:
+            if self.last_loss is None:  # no step ran: the loss the record has stays
+                summary["final_loss"] = self.writer.summary.get("final_loss")
             self.writer.event(status, done)
             self.writer.update_summary(**summary)
             self.writer.close()
+            self.writer = None
         if self.dist.enabled:
             dist.barrier()
         return summary
+
+    def _fail(self, exc: Exception) -> None:
+        """Record the failure ("failed" event and status, with the reason) as far as the disk lets us, and
+        release the folder."""
+        if self.writer is None:
+            return
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        try:
+            with contextlib.suppress(OSError, ValueError):  # a full disk; files a failed close left closed
+                self.writer.event("failed", self.completed, reason=reason)
+                self.writer.update_summary(status="failed", reason=reason, steps=self.completed,
+                                           tokens=self.completed * self.cfg.tokens_per_step)
+        finally:
+            with contextlib.suppress(OSError):
+                self.writer.close()
+            self.writer = None
 
 
 def train(cfg: TrainConfig, out: str | Path, resume: bool = False, command: list[str] | None = None,
@@ -485,11 +503,13 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, command: list
 
 
 def read_config(out: str | Path) -> TrainConfig:
-    """The TrainConfig recorded in a run folder's config.json."""
-    path = Path(out) / "config.json"
-    if not path.exists():
-        raise ValueError(f"--resume: {path} does not exist (is --out the folder of an earlier run?)")
-    return TrainConfig.from_dict(json.loads(path.read_text())["config"])
+    """The TrainConfig recorded in a run folder's config.json (RunRecordError naming the file if it is not
+    one)."""
+    config = load_config(out)
+    try:
+        return TrainConfig.from_dict(config)
+    except (TypeError, ValueError) as exc:
+        raise RunRecordError(f"{Path(out) / 'config.json'}: not a config of this version ({exc})") from None
 
 
 # ---- CLI ----
@@ -514,9 +534,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             raise ValueError(f"--config is required (one of {sorted(CONFIGS)}) unless --resume")
         summary = train(cfg, args.out, resume=args.resume)
-    except ValueError as exc:
-        print(f"lowprec train: {exc}", file=sys.stderr)
-        return 2
     finally:
         leave_process_group()
     if int(os.environ.get("RANK", "0")) == 0:

@@ -1,6 +1,8 @@
 """`attention(q, k, v, backend=..., causal=True, **kw)`: one entry point for every attention implementation.
 
-Backends (all take and return (batch, heads, seq, head_dim) tensors; the output has q's dtype):
+`backend` is a name, an `AttentionSpec` or its string ("triton/precision=fa2/fix=2"); keywords add to (and
+override) the spec's. Backends (all take and return (batch, heads, seq, head_dim) tensors; the output has
+q's dtype):
 - "reference": float64 softmax attention (`reference_attention`), cast back to q's dtype.
 - "math": plain attention in the input dtype, op by op as torch does it: q @ k^T * scale, mask, softmax, @ v.
 - "sdpa": torch.nn.functional.scaled_dot_product_attention; `sdpa_backend=` "flash" | "efficient" | "cudnn" |
@@ -19,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from lowprec.attention.reference import causal_mask, check_qkv, reference_attention, scaled_scores
+from lowprec.attention.spec import AttentionSpec
 
-BACKENDS = ("reference", "math", "sdpa", "emulated", "triton")
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
 
@@ -56,48 +58,26 @@ def sdpa_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa", causal: bool = True, **kw
-) -> torch.Tensor:
-    """Attention output (q's dtype) from the named backend; see the module docstring for backends and
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionSpec | str = "sdpa",
+              causal: bool = True, **kw) -> torch.Tensor:
+    """Attention output (q's dtype) from the named backend or spec; see the module docstring for backends and
     keywords.
 
     "emulated" and "triton" also take return_lse / return_stats: the result is then (o, [lse], [stats]).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    allowed = {
-        "reference": set(),
-        "math": set(),
-        "sdpa": {"sdpa_backend"},
-        "emulated": {
-            "precision",
-            "fix",
-            "block_m",
-            "block_n",
-            "delta",
-            "o_for_delta",
-            "generator",
-            "return_stats",
-            "return_lse",
-        },
-        "triton": {"precision", "fix", "seed", "block_m", "block_n", "return_stats", "return_lse"},
-    }[backend]
-    unknown = sorted(set(kw) - allowed)
-    if unknown:
-        raise ValueError(
-            f"backend {backend!r} does not take {unknown}; it accepts {sorted(allowed) or 'none'}"
-        )
-    if backend == "reference":
+    spec = AttentionSpec.parse(backend)
+    spec.accepts(set(kw))
+    kw = {**spec.kwargs(), **kw}
+    if spec.backend == "reference":
         return reference_attention(q, k, v, causal)[0].to(q.dtype)
-    if backend == "math":
+    if spec.backend == "math":
         return math_attention(q, k, v, causal)
-    if backend == "sdpa":
+    if spec.backend == "sdpa":
         return sdpa_attention(q, k, v, causal, **kw)
-    if backend == "emulated":
+    if spec.backend == "emulated":
         from lowprec.attention.emulated import emulated_attention
 
         return emulated_attention(q, k, v, causal=causal, **kw)
-    from lowprec.attention.triton_kernels import flash_attention
+    from lowprec.attention.flash import flash_attention
 
     return flash_attention(q, k, v, causal=causal, **kw)

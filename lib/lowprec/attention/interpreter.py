@@ -25,7 +25,8 @@ emulated.py. It relies on interpreter internals, so it checks that they are ther
 (the version pinned in requirements.txt and used on the GPU machines); `active()` says whether it is applied,
 and tests/test_flash_kernel.py has a guard test that fails if casts still truncate.
 
-The library applies it itself (triton_kernels.py) only when TRITON_INTERPRET=1; it never touches GPU runs.
+The library applies it itself (triton_mode.py, imported before triton by triton_rounding.py, triton_kernels.py
+and flash.py) only when TRITON_INTERPRET=1; it never touches GPU runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Where flash attention rounds (`Precision`), the dynamic maximum (`Fix`), and the op order they live in.
+"""Where flash attention rounds (`Precision`), and the op order the rounding points live in.
 
 The forward pass, per query row and key/value tile j = 0, 1, ... (FlashAttention-2 order). Every arithmetic
 op is fp32; `dot` means the "exact model": products summed in fp64 and rounded once to fp32. The names in
 brackets are the rounding points; each has one function below, and the Triton kernel calls its mirror
-image at the same place (triton_kernels.py, `_round`):
+image at the same place (triton_rounding.py, `_round`, called from triton_kernels.py):
 
     s     = dot(q, k^T) * scale                       [scores]      round_scores
     s     = -inf where masked (causal, beyond N)
@@ -29,34 +29,24 @@ A point holds a `Rounding`: a lowprec.formats format (or "input" = q's dtype, or
 mode: "nearest", "stochastic", or "ones" (weights only: the values that round to exactly 1.0 in the format
 become 1.0, every other value is rounded to the input dtype -- the paper's P̄ = 1 rounding with a wider window
 and nothing else, e.g. "fa2:weights=e8m3@ones" rounds P̄ in [1 - 2^-5, 1) up to 1 instead of bf16's
-[1 - 2^-9, 1); a Fix with its default tol detects exactly that window). Presets:
+[1 - 2^-9, 1); a Fix with its default tol detects exactly that window). Placements (named settings of all six
+points; the book's "placement" and the code's are the same thing):
   Precision.fa2()   production kernels: P̄ and the output in the input dtype, everything else fp32.
   Precision.paper() the authors' PyTorch reference (github ucker/why-low-precision-training-fails): S, P̄,
                     l, the P̄V result, the running O and the output all in the input dtype; 512 x 512 tiles.
   Precision.fp32()  no rounding anywhere (the high-precision forward).
 
-Short strings (CLIs, configs): "<preset>[:<point>=<spec>,...]", spec "<format>[@<mode>]", format one of
+Short strings (CLIs, configs): "<placement>[:<point>=<spec>,...]", spec "<format>[@<mode>]", format one of
 lowprec.formats.FORMATS, "eXmY" (e.g. e8m3: bf16's range with 3 significand bits), "input" or "none";
 also "tile=<int>|none". Examples: "fa2", "paper", "fa2:weights=e8m3", "fa2:weights=bf16@stochastic",
 "paper:tile=none", "fa2:weights=e8m2@ones". `p.spec` is the shortest such string for p
 (`Precision.parse(p.spec) == p`) and `repr(p)` shows it.
 
-The Fix (`Fix`, `fix_shift`): in each tile row (or once per whole row, `tie="row"`), count scores within
-`tol` of the row max r. If there is more than one (a repeated or near-repeated maximum), the row's shift
-becomes beta*r for r > 0 and 0 for r < 0 (the published rule; r == 0 stays r), so that the largest P̄ is
-exp(-(beta-1) r) or exp(r), below 1. Two guards, both counted: the shift never moves more than `max_gap`
-above r (else l could underflow to 0 and O become NaN), and `variant="closed"` moves it at least `min_gap`
-above r.
-
-The published rule's edge: P̄ = exp(-gap) still rounds to exactly 1.0 when the gap shift - r is below
-one_threshold(P̄'s format) (1.955e-3 for bf16), i.e. for r == 0, for 0 < r < 1.955e-3/(beta-1), and for
--1.955e-3 < r < 0. The closed variant (not in the paper) keeps the gap at least 2^-k (k = P̄'s significand
-bits), so P̄ <= 1 - 2^-k there. See `Fix` for the defaults and their derivations.
+The dynamic maximum (`Fix`) and the per-row counters (`AttentionStats`) live in fix.py.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -180,8 +170,9 @@ class Precision:
                 f"precision must be a Precision or a string like 'fa2:weights=e8m3', got {spec!r}"
             )
         base, _, overrides = spec.partition(":")
-        if base not in PRESETS:
-            raise ValueError(f"precision preset must be one of {sorted(PRESETS)}, got {base!r} (in {spec!r})")
+        if base not in PLACEMENTS:
+            raise ValueError(f"precision placement must be one of {sorted(PLACEMENTS)}, got {base!r} "
+                             f"(in {spec!r})")
         changes: dict[str, object] = {}
         for item in filter(None, overrides.split(",")):
             key, eq, value = item.partition("=")
@@ -196,17 +187,17 @@ class Precision:
                 changes[key] = None if value == "none" else int(value)
             else:
                 changes[key] = Rounding.parse(value)
-        return replace(PRESETS[base](), **changes)
+        return replace(PLACEMENTS[base](), **changes)
 
     @property
     def spec(self) -> str:
-        """The shortest "<preset>[:overrides]" string that parses back to this Precision."""
+        """The shortest "<placement>[:overrides]" string that parses back to this Precision."""
         candidates = []
-        for name, make in PRESETS.items():
-            preset = make()
+        for name, make in PLACEMENTS.items():
+            placement = make()
             diffs = [f"{point}={getattr(self, point)}" for point in POINTS
-                     if getattr(self, point) != getattr(preset, point)]
-            if self.tile != preset.tile:
+                     if getattr(self, point) != getattr(placement, point)]
+            if self.tile != placement.tile:
                 diffs.append(f"tile={self.tile or 'none'}")
             candidates.append(name + (":" + ",".join(diffs) if diffs else ""))
         return min(candidates, key=len)
@@ -218,7 +209,7 @@ class Precision:
         return any(getattr(self, name).mode == "stochastic" for name in POINTS)
 
 
-PRESETS = {"fa2": Precision.fa2, "paper": Precision.paper, "fp32": Precision.fp32}
+PLACEMENTS = {"fa2": Precision.fa2, "paper": Precision.paper, "fp32": Precision.fp32}
 
 
 def fits(fmt: Format | None, dtype: torch.dtype) -> bool:
@@ -282,182 +273,19 @@ def round_output(o: torch.Tensor, p: Precision, dtype: torch.dtype, gen: Generat
     return _round(o, p.output, dtype, gen)
 
 
-# ----------------------------------------------------------------------------------------------- the Fix
-
-LN2 = math.log(2.0)
-FIX_VARIANTS = ("published", "closed")
-TIE_SCOPES = ("tile", "row")
-
-
-def one_threshold(fmt: Format | None) -> float:
-    """Gap g such that exp(-x) rounds (to nearest) to exactly 1.0 in `fmt` for every 0 <= x < g.
-
-    With k stored significand bits the largest value below 1 is 1 - 2^-(k+1); the midpoint 1 - 2^-(k+2)
-    rounds to 1.0 (ties to even), so P̄ >= 1 - 2^-(k+2), i.e. s >= m - g with g = -ln(1 - 2^-(k+2)), gives P̄
-    == 1.0. bf16 (k = 7): g = -ln(1 - 2^-9) = 1.9550e-3. fp16: 2.442e-4. e8m3: 3.17e-2. None (fp32): 2^-25.
-    """
-    k = 23 if fmt is None else fmt.man_bits
-    return -math.log1p(-(2.0 ** -(k + 2)))
-
-
-@dataclass(frozen=True)
-class Fix:
-    """The paper's dynamic maximum ("stabilized flash attention"), with two guards.
-
-    beta: the shift factor for a positive repeated max (paper: 2; v2 of the paper and the first code: 7).
-      Must be finite and > 1.
-    tol: scores s >= r - tol count as ties of the row max r. None (default) derives it from P̄'s format:
-      `one_threshold(fmt)`, the largest distance below the max whose P̄ still rounds to exactly 1.0 --
-      for bf16 P̄ that is -ln(1 - 2^-9) = 1.955e-3 (any fp32 score within ~2^-9 of the max gives P̄ = 1.0),
-      so every score that would produce P̄ = 1.0 is counted. The paper's code uses 1e-3, which misses ties in
-      (1e-3, 1.955e-3). tol = 0 tests exact ties only (paper v2). Must be >= 0.
-    tie: "tile" (published: ties counted within each key tile, so the result depends on the tile width) or
-      "row" (ties counted over the whole row: one extra pass over the keys computing each row's top two
-      scores, i.e. one more q k^T product in the forward, about +50% forward matmul work or ~+14% of a
-      forward+backward step; the backward is unchanged).
-    variant: "published" (shift = beta*r for r > 0, 0 for r < 0, r for r == 0) or "closed" (the same, but the
-      shift is at least `min_gap` above r). The published rule leaves P̄ == 1.0 when the gap shift - r is
-      below one_threshold(fmt): r == 0 (gap 0), 0 < r < one_threshold/(beta-1), or -one_threshold < r < 0.
-    min_gap: the closed variant's smallest gap; None = 2^-k for P̄'s k significand bits (exp(-2^-k) rounds to
-      1 - 2^-k, two grid steps below 1; bf16: 2^-7).
-    max_gap: the largest gap ever applied (else exp(-(beta-1) r) underflows and l = 0 -> NaN; with beta = 2
-      that happens for r > ~87 in fp32/bf16). Beyond it the shift falls back to r + max_gap and the row is
-      counted as a fallback. None = half the natural-log range of P̄'s normal numbers, -ln(min_normal)/2:
-      43.7 for bf16/fp32-range formats, 4.85 for fp16, so that near-max P̄ stay normal numbers (a GPU's exp
-      flushes subnormals to 0).
-    """
-
-    beta: float = 2.0
-    tol: float | None = None
-    tie: str = "tile"
-    variant: str = "published"
-    min_gap: float | None = None
-    max_gap: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 1):
-            raise ValueError(f"beta must be a finite number > 1 (the paper uses 2 to 8), got {self.beta!r}")
-        for name in ("tol", "min_gap", "max_gap"):
-            value = getattr(self, name)
-            if value is not None and not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
-            ):
-                raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
-        if self.max_gap is not None and self.max_gap <= 0:
-            raise ValueError(f"max_gap must be None or > 0, got {self.max_gap!r}")
-        if self.tie not in TIE_SCOPES:
-            raise ValueError(f"tie must be one of {TIE_SCOPES}, got {self.tie!r}")
-        if self.variant not in FIX_VARIANTS:
-            raise ValueError(f"variant must be one of {FIX_VARIANTS}, got {self.variant!r}")
-
-    def resolve(self, fmt: Format | None) -> FixParams:
-        """Numbers for P̄'s format `fmt` (None = fp32)."""
-        k = 23 if fmt is None else fmt.man_bits
-        emin = -126 if fmt is None else fmt.emin
-        tol = one_threshold(fmt) if self.tol is None else float(self.tol)
-        min_gap = 2.0**-k if self.min_gap is None else float(self.min_gap)
-        if self.variant == "published":
-            min_gap = 0.0
-        max_gap = -emin * LN2 / 2 if self.max_gap is None else float(self.max_gap)
-        return FixParams(_f32(self.beta), _f32(tol), _f32(min_gap), _f32(max_gap), self.tie == "row")
-
-
-@dataclass(frozen=True)
-class FixParams:
-    """A Fix resolved to fp32 numbers for one P̄ format (what the emulator and the kernel receive)."""
-
-    beta: float
-    tol: float
-    min_gap: float
-    max_gap: float
-    whole_row: bool
-
-
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def as_fix(fix: Fix | float | bool | None) -> Fix | None:
-    """None/False -> no fix; True -> Fix(); a number -> Fix(beta=number); a Fix passes through."""
-    if fix is None or fix is False:
-        return None
-    if fix is True:
-        return Fix()
-    if isinstance(fix, Fix):
-        return fix
-    if isinstance(fix, (int, float)):
-        return Fix(beta=float(fix))
-    raise ValueError(f"fix must be None, a Fix, True or a beta value, got {fix!r}")
-
-
-def fix_shift(r: torch.Tensor, ties: torch.Tensor, fp: FixParams) -> tuple[torch.Tensor, ...]:
-    """The row shift for row maxima `r` (fp32) given `ties` (bool: more than one score within tol of r).
-
-    Returns (shift, triggered, fallback). fp32 ops in this exact order (the kernel's `_fix_shift` mirrors
-    them):
-      want  = beta*r if r > 0, 0 if r < 0, r if r == 0     (published rule)
-      want  = r + min_gap  where want - r < min_gap         (closed variant; min_gap = 0 when published)
-      want  = r + max_gap  where want - r > max_gap         (guard against l = 0; counted as a fallback)
-      shift = want where triggered (ties and r finite), else r
-    """
-    triggered = ties & (r > float("-inf"))
-    beta = torch.tensor(fp.beta, dtype=torch.float32)
-    want = torch.where(r > 0, r * beta, torch.where(r < 0, torch.zeros_like(r), r))
-    want = torch.where(want - r < fp.min_gap, r + fp.min_gap, want)
-    fallback = triggered & (want - r > fp.max_gap)
-    want = torch.where(want - r > fp.max_gap, r + fp.max_gap, want)
-    return torch.where(triggered, want, r), triggered, fallback
-
-
-# ---------------------------------------------------------------------------------------------- statistics
-
-STAT_NAMES = ("pbar_ones", "tie_tiles", "near_tie_tiles", "fix_triggers", "fallbacks")
-
-
-@dataclass
-class AttentionStats:
-    """Per-row counters (int32 tensors, shape (batch, heads, seq)) from one forward pass.
-
-    pbar_ones: P̄ entries equal to 1.0 after the weights rounding (the ones that enter P̄V unshrunk).
-    tie_tiles: tiles in which the row max occurs more than once exactly.
-    near_tie_tiles: tiles with more than one score within tol of the row max (tol: the Fix's, or its default).
-    fix_triggers: tiles (tie="row": rows) where the Fix's rule fired (ties and a finite max); fallbacks: of
-    those, the ones where max_gap capped the shift.
-    """
-
-    pbar_ones: torch.Tensor
-    tie_tiles: torch.Tensor
-    near_tie_tiles: torch.Tensor
-    fix_triggers: torch.Tensor
-    fallbacks: torch.Tensor
-
-    def totals(self) -> dict[str, int]:
-        """Sums over all rows, plus the number of rows with any trigger / any P̄ == 1."""
-        out = {name: int(getattr(self, name).sum()) for name in STAT_NAMES}
-        out["rows"] = int(self.pbar_ones.numel())
-        out["rows_triggered"] = int((self.fix_triggers > 0).sum())
-        out["rows_with_ones"] = int((self.pbar_ones > 0).sum())
-        return out
-
-
 __all__ = [
-    "POINTS",
     "INPUT",
-    "Rounding",
+    "PLACEMENTS",
+    "POINTS",
     "Precision",
-    "Fix",
-    "FixParams",
-    "AttentionStats",
-    "as_fix",
+    "Rounding",
     "dot_dtype",
     "fits",
-    "fix_shift",
-    "one_threshold",
     "parse_format",
-    "round_scores",
-    "round_weights",
-    "round_rowsum",
-    "round_product",
     "round_accumulator",
     "round_output",
+    "round_product",
+    "round_rowsum",
+    "round_scores",
+    "round_weights",
 ]

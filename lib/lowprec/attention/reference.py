@@ -65,12 +65,16 @@ def reference_attention(
     """Softmax attention in float64: returns (o, lse), o (B, H, N, D) and lse = logsumexp of scaled scores
     (B, H, N).
 
+    The weights are exp(s - max) / sum(exp(s - max)), exact for any finite scores: normalising by
+    exp(s - lse) instead loses the sum where lse = max + log(sum) rounds to max (ties at |s| ~ 1e16).
     Differentiable (autograd through float64 ops), so it also gives reference gradients.
     """
     check_qkv(q, k, v)
     s = scaled_scores(q.double(), k.double())
     if causal:
         s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.exp(s - lse[..., None]) @ v.double()
-    return o, lse
+    m = s.amax(dim=-1, keepdim=True).detach()  # a shift: softmax and lse do not depend on it
+    e = torch.exp(s - m)
+    total = e.sum(dim=-1, keepdim=True)
+    o = (e / total) @ v.double()
+    return o, (m + torch.log(total)).squeeze(-1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from lowprec.data.prepare import VAL_FRAC, TokenData, default_data_dir, prepare
@@ -36,9 +35,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             out = args.dir or default_data_dir()
         print(summary(TokenData(out)))
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"lowprec data: error: {exc}", file=sys.stderr)
-        return 1
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from None
     return 0
 
 

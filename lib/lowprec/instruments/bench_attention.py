@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from lowprec.attention.dispatch import sdpa_attention
-from lowprec.attention.precision import Fix
+from lowprec.attention.fix import Fix
 
 HIDDEN = 2048  # heads x head_dim, as in the FlashAttention-2 paper's benchmarks
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -68,7 +66,7 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, mode: s
 
 def implementations(device: str) -> tuple[dict[str, Callable], dict[str, str]]:
     """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped)."""
-    from lowprec.attention.triton_kernels import flash_attention  # triton only when benchmarking
+    from lowprec.attention.flash import flash_attention  # triton only when benchmarking
 
     impls: dict[str, Callable] = {
         "triton": flash_attention,
@@ -134,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
-        raise SystemExit("lowprec bench attention: no CUDA device; use --smoke for a CPU code-path check")
+        raise ValueError("no CUDA device; use --smoke for a CPU code-path check")
     seqs, dims = ([64], [16]) if args.smoke else (args.seq, args.head_dim)
     tokens = 128 if args.smoke else args.tokens
     hidden = 32 if args.smoke else HIDDEN
@@ -142,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     impls, skipped = implementations(device)
-    from lowprec.attention.triton_kernels import autotuned_configs
+    from lowprec.attention.flash import autotuned_configs
 
     record = {
         "provenance": provenance(),
@@ -226,10 +224,3 @@ def table(record: dict) -> str:
     lines.append(f"device: {record['provenance'].get('device')}; {record.get('seconds')} s")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        prog="python -m lowprec.attention.bench", description=__doc__.split("\n")[0]
-    )
-    configure(parser)
-    sys.exit(run(parser.parse_args()))

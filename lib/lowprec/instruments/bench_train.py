@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
 from lowprec.configs import CONFIGS, TrainConfig, get_config
 from lowprec.model import GPT
 from lowprec.runs import provenance, write_json
@@ -97,18 +95,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.steps < 1 or args.warmup < 1:
-            raise ValueError("--steps and --warmup must be >= 1")
-        base = get_config(args.config, args.overrides)
-        for spec in args.backends:
-            dataclasses.replace(base.model, attention=spec)  # validates the spec
-        interval = base.telemetry_interval if args.telemetry_interval is None else args.telemetry_interval
-        if interval % base.log_interval:
-            raise ValueError(f"--telemetry-interval must be a multiple of log_interval ({base.log_interval})")
-    except ValueError as exc:
-        print(f"lowprec bench train: {exc}", file=sys.stderr)
-        return 2
+    if args.steps < 1 or args.warmup < 1:
+        raise ValueError("--steps and --warmup must be >= 1")
+    base = get_config(args.config, args.overrides)
+    for spec in args.backends:
+        dataclasses.replace(base.model, attention=spec)  # validates the spec
+    interval = base.telemetry_interval if args.telemetry_interval is None else args.telemetry_interval
+    if interval % base.log_interval:
+        raise ValueError(f"--telemetry-interval must be a multiple of log_interval ({base.log_interval})")
     peak, peak_note = peak_flops(args.peak_tflops)
     report = {"provenance": provenance(), "config": base.to_dict(), "overrides": args.overrides,
               "warmup": args.warmup, "steps": args.steps, "tokens_per_step": base.tokens_per_step,

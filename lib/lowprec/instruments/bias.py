@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-
+from lowprec.analysis import ErrorStats
 from lowprec.attention.dispatch import attention
 from lowprec.attention.reference import reference_attention
 
@@ -96,24 +96,6 @@ CASES: dict[str, Case] = _named(
     ]
 )
 """Named cases. v_mean -1.5 and +3 are mid-binade (O away from a power of two); -1 shows the binade effect."""
-
-
-@dataclass(frozen=True)
-class ErrorStats:
-    """Signed error summary: mean, std, t = mean / (std / √n) and the sample size n."""
-
-    mean: float
-    std: float
-    t: float
-    n: int
-
-    @classmethod
-    def of(cls, err: torch.Tensor) -> ErrorStats:
-        e = err.detach().double().flatten()
-        n = e.numel()
-        mean, std = e.mean().item(), e.std().item() if n > 1 else 0.0
-        t = mean / (std / math.sqrt(n)) if std > 0 else (0.0 if mean == 0 else math.copysign(math.inf, mean))
-        return cls(mean=mean, std=std, t=t, n=n)
 
 
 @dataclass(frozen=True)

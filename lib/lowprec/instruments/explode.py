@@ -9,10 +9,13 @@ explosion step, tokens, time and the paper's signature (`signature`). Run record
 
 Arms are short names for attention specs (`arm_spec`):
   fa2            our Triton kernel, production rounding placement (P̄ and O in bf16)
-  paper          the authors' all-bf16 placement (bf16 S, P̄, l, P̄V, running O; 64-wide tiles on a GPU)
+  paper64        the authors' all-bf16 placement (bf16 S, P̄, l, P̄V, running O) at 64-wide tiles, the widest
+                 our GPU kernel runs (the authors' code uses 512; Precision "paper" keeps 512). Records made
+                 before this name existed call this arm "paper".
   fp32pv         P̄ not rounded: the P̄V product in fp32 (the paper's "P̄V in high precision" control)
-  paper-fp32pv   the paper placement with P̄, the P̄V result and the running O unrounded (S, l and the stored
-                 O stay bf16): the paper's biased rounding removed, its other bf16 points kept
+  paper64-fp32pv paper64 with P̄, the P̄V result and the running O unrounded (S, l and the stored O stay
+                 bf16): the paper's biased rounding removed, its other bf16 points kept (records before the
+                 rename: "paper-fp32pv")
   onesK          fa2, but P̄ within 2^-(K+2) of 1 rounds to 1.0 (Precision "fa2:weights=e8mK@ones"): the
                  paper's error, P̄ = 1 for near-maximal scores, with a wider window and nothing else
   kbitK          fa2 with every P̄ rounded to K significand bits ("fa2:weights=e8mK")
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -35,23 +37,22 @@ import time
 from pathlib import Path
 
 import torch
-
-from lowprec.attention.bias import ErrorStats
+from lowprec.analysis import format_runs, run_summary
+from lowprec.attention import AttentionSpec, Fix
+from lowprec.attention.spec import backends_with
 from lowprec.configs import CONFIGS, get_config
-from lowprec.model import FIX_BACKENDS
-from lowprec.runs import Run, RunRecordError, load_run, provenance, write_json
+from lowprec.runs import check_target, provenance, write_json
 
-PLACEMENTS = {"fa2": "fa2", "paper": "paper:tile=64", "fp32pv": "fa2:weights=none",
-              "paper-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none"}
-FIX_BETA = 2.0
+PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
+              "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none"}
+FIX = Fix(beta=2.0)
+FIX_BACKENDS = backends_with("fix")
 POLL_S = 5.0
-SPIKE_FACTOR = 1.25  # a "spike": the smoothed loss rises this far above its running minimum (probe.md's rule)
-SPIKE_WINDOW = 5     # logged records (log_interval steps each) in the moving mean the spike rule uses
 
 
-def arm_spec(arm: str, backend: str = "triton") -> str:
+def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
     """The attention spec of a named arm (module docstring), e.g. "ones3-fix" ->
-    "triton/precision=fa2:weights=e8m3@ones/fix=2.0"."""
+    triton/precision=fa2:weights=e8m3@ones/fix=2."""
     if backend not in FIX_BACKENDS:
         raise ValueError(f"backend must be one of {FIX_BACKENDS}, got {backend!r}")
     base, fix = (arm[:-4], True) if arm.endswith("-fix") else (arm, False)
@@ -61,87 +62,26 @@ def arm_spec(arm: str, backend: str = "triton") -> str:
     elif base in PLACEMENTS:
         precision = PLACEMENTS[base]
     else:
-        raise ValueError(f"unknown arm {arm!r}: use fa2, paper, fp32pv, paper-fp32pv, onesK or kbitK "
+        raise ValueError(f"unknown arm {arm!r}: use {', '.join(PLACEMENTS)}, onesK or kbitK "
                          "(K = 1..9 significand bits), optionally with '-fix'")
-    return f"{backend}/precision={precision}" + (f"/fix={FIX_BETA}" if fix else "")
+    return AttentionSpec(backend, precision, FIX if fix else None)
+
+
+def arm_of(spec: AttentionSpec | str) -> str:
+    """The arm that runs an attention spec (the inverse of `arm_spec`), e.g. for records whose folders were
+    named before an arm was renamed; ValueError if no arm does."""
+    spec = AttentionSpec.parse(spec)
+    if spec.fix not in (None, FIX) or spec.backend not in FIX_BACKENDS:
+        raise ValueError(f"no explode arm runs {str(spec)!r}")
+    bases = [*PLACEMENTS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
+    base = next((b for b in bases if arm_spec(b, spec.backend) == spec.with_fix(None)), None)
+    if base is None:
+        raise ValueError(f"no explode arm runs {str(spec)!r}")
+    return base + ("-fix" if spec.fix is not None else "")
 
 
 def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
-
-
-def head_t_scores(run: Run) -> torch.Tensor:
-    """(layers, heads) t-statistic of each head's per-sample signed δ error (`delta_error` telemetry): mean
-    over the sampled steps / its standard error. Noise gives roughly N(0, 1) per head, so Σt² ≈ heads."""
-    err = torch.tensor(run.telemetry("delta_error")[1], dtype=torch.float64)  # (samples, layers, heads)
-    return torch.tensor([[ErrorStats.of(err[:, i, h]).t for h in range(err.shape[2])]
-                         for i in range(err.shape[1])])
-
-
-def signature(run: Run) -> dict:
-    """The paper's signature in one run's telemetry, for the head whose δ error is most one-signed.
-
-    That head's t (`head_t_scores`), the fraction of samples at which the running sum `delta_error_cum` has
-    its final sign, ‖W_Q,h‖ last / first, and P̄ == 1 entries per sampled row, first and last sample; over all
-    heads the largest |t|, Σt² (null: the number of heads) and the largest ‖W_Q,h‖ growth.
-    """
-    steps = run.telemetry("delta_error")[0]
-    if len(steps) < 3:
-        return {"samples": len(steps)}
-    t = head_t_scores(run)
-    cum = torch.tensor(run.telemetry("delta_error_cum")[1], dtype=torch.float64)
-    wq = torch.tensor(run.telemetry("wq_norm")[1], dtype=torch.float64)
-    ones = torch.tensor(run.telemetry("pbar_ones")[1], dtype=torch.float64)
-    rows = run.telemetry("rows")[1]
-    layers, heads = t.shape
-    layer, head = divmod(int(t.abs().argmax()), heads)
-    final_sign = torch.sign(cum[-1, layer, head])
-    return {
-        "samples": len(steps), "first_step": steps[0], "last_step": steps[-1],
-        "heads": layers * heads, "max_abs_t": float(t.abs().max()), "sum_t2": float((t**2).sum()),
-        "head": [layer, head], "t": float(t[layer, head]),
-        "cum_same_sign_fraction": float((torch.sign(cum[:, layer, head]) == final_sign).double().mean()),
-        "wq_growth": float(wq[-1, layer, head] / wq[0, layer, head]),
-        "pbar_ones_per_row": [float(ones[0, layer, head]) / rows[0], float(ones[-1, layer, head]) / rows[-1]],
-        "max_wq_growth": float((wq[-1] / wq[0]).max()),
-    }
-
-
-def moving_mean(values: list[float], window: int = SPIKE_WINDOW) -> list[float]:
-    """Mean of each value and the window - 1 before it (the first window - 1 values are dropped)."""
-    return [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
-
-
-def loss_spike(run: Run, factor: float = SPIKE_FACTOR, window: int = SPIKE_WINDOW) -> dict:
-    """First step after warmup where the moving mean of `window` logged losses exceeds `factor` x its running
-    minimum (None if never), and the largest such ratio: a loss explosion short of the trainer's stop rule
-    (diverge_factor x the minimum, default 3), which a run may recover from."""
-    steps, losses = run.series("loss")
-    kept = [i for i, s in enumerate(steps) if s >= run.config["warmup_iters"]]
-    means = moving_mean([losses[i] for i in kept], window)
-    first, worst, low = None, 1.0, math.inf
-    for step, mean in zip([steps[i] for i in kept[window - 1 :]], means, strict=True):
-        if not math.isfinite(mean):
-            return {"spike_step": first if first is not None else step, "max_ratio": math.inf}
-        low = min(low, mean)
-        worst = max(worst, mean / low)
-        if first is None and mean > factor * low:
-            first = step
-    return {"spike_step": first, "max_ratio": worst}
-
-
-def run_summary(run_dir: Path) -> dict:
-    """Status, explosion step, tokens, time, last loss and signature of one run folder."""
-    try:
-        run = load_run(run_dir)
-    except RunRecordError as exc:
-        return {"status": "missing", "error": str(exc)}
-    losses = run.series("loss")[1]
-    out = {key: run.summary.get(key) for key in ("status", "explosion_step", "steps", "tokens", "time_s")}
-    out["last_logged_loss"] = losses[-1] if losses else None
-    out.update(loss_spike(run))
-    out["signature"] = signature(run)
-    return out
 
 
 def launch(cmd: list[str], gpu: int | None, log: Path) -> subprocess.Popen:
@@ -182,8 +122,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="experiment folder (one run folder per arm and seed)")
     parser.add_argument("--config", default="gpu-6l", choices=sorted(CONFIGS), help="training config")
     parser.add_argument("--arms", default="ones2,ones2-fix,fp32pv",
-                        help="comma-separated arms (module docstring): fa2, paper, fp32pv, paper-fp32pv, "
-                             "onesK, kbitK, each optionally with -fix")
+                        help="comma-separated arms (module docstring): fa2, paper64, fp32pv, "
+                             "paper64-fp32pv, onesK, kbitK, each optionally with -fix")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
     parser.add_argument("--gpus", type=int, default=None,
@@ -195,26 +135,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    specs = {arm: str(arm_spec(arm, args.backend)) for arm in arms}
     try:
-        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-        specs = {arm: arm_spec(arm, args.backend) for arm in arms}
-        try:
-            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
-        if not arms or not seeds:
-            raise ValueError("--arms and --seeds must each name at least one item")
-        if args.minutes <= 0:
-            raise ValueError(f"--minutes must be > 0, got {args.minutes}")
-        get_config(args.config, args.overrides)  # a bad override fails here, before anything starts
-        taken = [run_name(arm, seed) for seed in seeds for arm in arms
-                 if (Path(args.out) / run_name(arm, seed) / "metrics.jsonl").exists()]
-        if taken:
-            raise ValueError(f"--out {args.out} already holds runs {taken}: choose a new --out folder")
-    except ValueError as exc:
-        print(f"lowprec experiment explode: {exc}", file=sys.stderr)
-        return 2
-    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if not arms or not seeds:
+        raise ValueError("--arms and --seeds must each name at least one item")
+    if args.minutes <= 0:
+        raise ValueError(f"--minutes must be > 0, got {args.minutes}")
+    if args.grace < 0:
+        raise ValueError(f"--grace must be >= 0, got {args.grace}")
+    visible = torch.cuda.device_count()
+    if args.gpus is not None and not 0 <= args.gpus <= visible:
+        raise ValueError(f"--gpus {args.gpus}: this machine has {visible} visible GPU(s); pass 0..{visible} "
+                         "(0 = CPU)")
+    check_target(args.out, "--out")
+    for seed in seeds:  # a bad override or seed fails here, before anything starts
+        get_config(args.config, [*args.overrides, f"seed={seed}"])
+    taken = [run_name(arm, seed) for seed in seeds for arm in arms
+             if (Path(args.out) / run_name(arm, seed) / "metrics.jsonl").exists()]
+    if taken:
+        raise ValueError(f"--out {args.out} already holds runs {taken}: choose a new --out folder")
+    gpus = visible if args.gpus is None else args.gpus
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = list(itertools.product(seeds, arms))
@@ -248,18 +192,3 @@ def run(args: argparse.Namespace) -> int:
                                          "wall_s": time.monotonic() - t0, "runs": runs})
     print(format_runs(runs))
     return 0
-
-
-def format_runs(runs: dict[str, dict]) -> str:
-    """A table: run, status, explosion step, steps, last loss, the most one-signed head's t, ‖W_Q‖ growth."""
-    lines = [f"{'run':<16} {'status':<12} {'explode':>8} {'spike':>7} {'steps':>7} {'loss':>7} {'max|t|':>7} "
-             f"{'Σt²/heads':>9} {'WQ x':>6}"]
-    for name, r in runs.items():
-        sig = r.get("signature") or {}
-        ratio = sig.get("sum_t2", math.nan) / sig.get("heads", math.nan) if sig.get("heads") else math.nan
-        lines.append(f"{name:<16} {r['status']:<12} {r.get('explosion_step') or '-':>8} "
-                     f"{r.get('spike_step') or '-':>7} "
-                     f"{r.get('steps') or 0:>7} {r.get('last_logged_loss') or math.nan:>7.3f} "
-                     f"{sig.get('max_abs_t', math.nan):>7.1f} {ratio:>9.2f} "
-                     f"{sig.get('max_wq_growth', math.nan):>6.2f}")
-    return "\n".join(lines)

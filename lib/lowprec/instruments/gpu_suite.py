@@ -1,11 +1,11 @@
 """The attention kernels on a real GPU: correctness, a fuzz run, and the signed bias of every fast kernel.
 
-    python -m lowprec.attention.gpu_suite --out DIR          # on a CUDA machine (~4 min on one H200)
-    python -m lowprec.attention.gpu_suite --out DIR --smoke  # on a CPU, via Triton's interpreter (<1 min)
+    lowprec measure suite --out DIR          # on a CUDA machine (~4 min on one H200)
+    lowprec measure suite --out DIR --smoke  # on a CPU, via Triton's interpreter (<1 min)
 
 Sections, each case in its own try/except, results rewritten to DIR/gpu_suite.json after every case:
   bias         our Triton kernel (Fix off / on), the fa2 emulator and torch SDPA's flash, cuDNN,
-               memory-efficient and math backends on the adversarial rows of lowprec.attention.bias (unique
+               memory-efficient and math backends on the adversarial rows of lowprec.instruments.bias (unique
                max, exact ties, near-ties within 1e-3, same-sign V at two means, huge logits, random): mean
                error and t for O and δ = rowsum(dO ∘ O) against float64. SDPA backends that cannot run are
                recorded with the reason.
@@ -28,20 +28,18 @@ import argparse
 import functools
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
-from lowprec.attention.bias import CASES, BiasResult, Rows, bias_of, format_table, with_v_mean
 from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention
-from lowprec.attention.precision import Fix
+from lowprec.attention.fix import Fix
+from lowprec.attention.flash import flash_attention
 from lowprec.attention.reference import reference_attention
-from lowprec.attention.triton_kernels import flash_attention
+from lowprec.instruments.bias import CASES, BiasResult, Rows, bias_of, format_table, with_v_mean
 from lowprec.runs import provenance, write_json
+from tqdm import tqdm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FACTOR = 2.0
@@ -359,10 +357,7 @@ def _worst(ratios) -> dict[str, float]:
     return worst
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m lowprec.attention.gpu_suite", description=__doc__.split("\n")[0]
-    )
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder for gpu_suite.json (created if missing)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on a CPU via the interpreter)")
     parser.add_argument(
@@ -375,18 +370,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fuzz", type=int, default=None, help="random configurations (default 600; 6 with --smoke)"
     )
     parser.add_argument("--sections", default="bias,correctness,fuzz", help="comma-separated subset to run")
-    return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     sections = args.sections.split(",")
     unknown = sorted(set(sections) - {"bias", "correctness", "fuzz"})
     if unknown:
-        raise SystemExit(f"--sections takes bias, correctness, fuzz; got {unknown}")
+        raise ValueError(f"--sections takes bias, correctness, fuzz; got {unknown}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.smoke:
-        raise SystemExit("no CUDA device: run with --smoke (tiny sizes through Triton's interpreter)")
+        raise ValueError("no CUDA device: run with --smoke (tiny sizes through Triton's interpreter)")
     rows = args.rows or (256 if args.smoke else 100_000)
     n_fuzz = args.fuzz if args.fuzz is not None else (6 if args.smoke else 600)
     out = Path(args.out)
@@ -405,7 +398,3 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(report.data))
     print(f"wrote {report.path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,42 +23,7 @@ Design (every choice serves one purpose: in exact arithmetic the expected gradie
   terms (PK)[T]^T x[T] are across tokens and steps, P̄ = 1 per row, ⟨W - W0, R⟩, ||W||_2, update size and
   direction, the task loss (as a fraction of its ceiling, all content attention lost) and the content mass.
 
-Predictions (written after a bias probe at W_Q(0), before the first training run; that run used lr 1e-3 and
-a bias loss of fixed sign, -mean(O_A), which equals the final one for v_mean < 0):
-- fa2, lowp: near-tied sinks round up to P̄ = 1.0 while l keeps the unrounded sum, so O_A is pulled away from
-  zero (toward v_mean) and δ_lp - δ_hp > 0 on ~every step (probe: t ≈ +10 over 200 batches). The gradient
-  error points along -R, so descent pushes W_Q along +R: the sink logits grow, the content mass shrinks, the
-  task loss rises, ||W_Q|| grows. With Adam each coordinate of R moves ~lr per step (a full-size step);
-  with SGD the same bias moves W_Q by lr * 1e-4 per step: no visible drift.
-- fa2, fix: near ties are detected and shifted, P̄ < 1, no one-signed δ error, no drift beyond the reference's
-  random walk. fp32pv and reference: no drift.
-- paper: biased in every arm that rounds P̄V, sign set by where O sits in its binade (probe at v_mean = -1.5:
-  δ error NEGATIVE without the fix, positive with it), so it drifts the other way (sink logits fall), and the
-  published fix does not remove it. fp32pv: smaller bias (the bf16 l and O remain).
-- Blow-up: only if the task's restoring force along R (bounded: it fades as the content mass goes to 0) is
-  smaller than the bias; then Adam drives the sink logits up without bound and the task loss climbs to its
-  ceiling (all content attention lost). Otherwise the drift saturates at an offset. Not known in advance.
-
-What happened (defaults, seed 0, 300 steps; results/positive-control/cpu-default.json; book chapter 4):
-- fa2 as predicted, and more: lowp t(δ err) = +33, running Σδ err positive at every step, gradient error on R
-  t = -32 and equal to Eq. (2)'s δ-only prediction (cosine 1.00); with Adam W_Q runs away along R (⟨W-W0,R⟩
-  +6.4, ||W||_2 x3.3), the content mass falls 0.110 -> 0.000 (below 10% at step 187) and the task is lost
-  (loss at 99% of its ceiling). fix, fp32pv, reference: |t| <= 2.5, no drift, no loss. Probe sign held for
-  every v_mean tried (-0.75 ... -3, and +1.5 with the sign-matched dO).
-- SGD was WRONG in the prediction: it drifts too (t +44; ⟨W-W0,R⟩ +0.36 vs 0.02 for the reference), but
-  stops at an equilibrium offset where the task's restoring gradient balances the bias (content mass 0.073,
-  9% of the task lost). Adam runs away because, as the content mass and with it the exact gradient vanish,
-  its normalisation keeps the biased step full-size (last 100 steps: 3.3x the reference's step; SGD 0.8x).
-- paper placement: the prediction was WRONG. Without the fix it is NOT biased here (t ≈ ±1): bf16 scores turn
-  the near ties into exact ties, and exact ties leave O unbiased when O sits mid-binade; it is biased only
-  at O ≈ -1 (v_mean = -1: t = +18), a power-of-two edge. With the published fix it IS biased (t +24, a
-  bounded drift +0.18): P̄_max = bf16(exp(-r)) with r on the coarse bf16 score grid, so the rounding errors
-  do not average out; its sign follows the sink-score distribution (+ at sink_score <= 5.5, 0 at 6, - at 7)
-  and needs both bf16 S and bf16 P̄ (ablation). No blow-up in either paper arm within 300 steps.
-- The runaway is a threshold, not a law (results/positive-control/cpu-vmean-1*.json): at v_mean = -1 the fa2
-  bias is ~0.6x as large and the no-fix arm settles at a bounded offset (+0.25 at 300 steps, +0.31 at 1000);
-  with bias_weight = 2 it collapses at step 101. There the paper placement is biased with and without its
-  fix (t +27 / +31) and drifts (+1.05 / +0.41), without collapsing within 300 steps.
+The predictions written before the first training run, and what happened, are in the book's chapter 4.
 """
 
 from __future__ import annotations
@@ -71,11 +36,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
+from lowprec.analysis import ErrorStats
 from lowprec.attention import Fix, Precision, emulated_attention, reference_attention
-from lowprec.attention.bias import ErrorStats
 from lowprec.attention.reference import causal_mask, scaled_scores
+from tqdm import tqdm
 
 PLACEMENTS = ("fa2", "paper")
 ARMS = ("lowp", "fix", "fp32pv", "reference")
@@ -375,6 +339,29 @@ def bias_probe(cfg: ControlConfig, placement: str, arm: str, batches: int = 100)
     }
 
 
+@single_thread()
+def criterion_probe(cfg: ControlConfig, placement: str, arm: str, batches: int = 100) -> dict:
+    """`bias_noise.bias_noise` at the initial weights: the arm's W_Q gradients against float64 attention's on
+    the same batches, with Adam's second moment estimated as the mean square of the float64 gradient (what
+    Adam's v settles to); tokens per step = one batch."""
+    from lowprec.instruments.bias_noise import bias_noise
+
+    precision, fix = arm_precision(placement, arm, cfg.beta)
+    prob = make_problem(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    grads: dict[str, list[torch.Tensor]] = {"lp": [], "hp": []}
+    for _ in range(batches):
+        batch = sample_batch(cfg, prob, gen)
+        for key, (prec, fx) in (("lp", (precision, fix)), ("hp", (None, None))):
+            w = prob.w0.clone().requires_grad_(True)
+            step(cfg, prob, w, batch, prec, fx)
+            grads[key].append(w.grad.detach().clone())
+    g_lp, g_hp = torch.stack(grads["lp"]), torch.stack(grads["hp"])
+    tokens = cfg.batch * cfg.seq
+    stats, r = bias_noise(g_lp, g_hp, tokens, tokens, adam_v=(g_hp.double() ** 2).mean(0))
+    return stats.to_dict() | {"r_cos": abs(cos(r, prob.r))}
+
+
 def delta_identity(seed: int = 0, seq: int = 64, head_dim: int = 16, d_model: int = 32) -> dict:
     """Check Eq. (1) and (2) on the instrument: two backward passes that differ ONLY in δ.
 
@@ -539,15 +526,14 @@ def comma_list(allowed: tuple[str, ...]):
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = ControlConfig(**{name: getattr(args, name) for name in asdict(ControlConfig())})
-    except ValueError as exc:
-        raise SystemExit(f"lowprec experiment positive-control: {exc}") from None
+    from lowprec.runs import check_target, provenance, write_json
+
+    if args.out is not None:
+        check_target(args.out, "--out", folder=False)  # before the work, not after it
+    cfg = ControlConfig(**{name: getattr(args, name) for name in asdict(ControlConfig())})
     result = run_control(cfg, args.placements, args.arms, args.optimizers)
     print(format_summary(result))
     if args.out:
-        from lowprec.runs import provenance, write_json
-
         record = {
             "provenance": provenance(),
             "config": result["config"],

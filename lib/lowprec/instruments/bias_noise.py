@@ -1,0 +1,222 @@
+"""`lowprec experiment bias-noise`: when does a rounding bias in the W_Q gradient beat the batch noise?
+
+For a checkpoint of a recorded run, on the run's own batches, per layer and head: the W_Q gradient G_lp with
+each low-precision attention spec under test and G_hp with a high-precision one (default: the emulator with
+every rounding point off and δ from the unrounded O), the same weights and batch for all. Per head, over the
+batches (`bias_noise`):
+
+  b        = mean of G_lp - G_hp                 the systematic part (a head_dim x n_embd matrix)
+  R        = u1 v1^T, the top singular pair of b  the shared direction; rank1 = σ1² / Σσ² (1: exactly rank 1)
+  t        = mean / standard error of <G_lp - G_hp, R> over batches; `biased` when |t| >= analysis.BIASED_T
+             (otherwise b is not told apart from noise, and the numbers below are only bounds)
+  noise    = std over batches of <G_hp, R>      the gradient's own batch noise along R at this batch size
+  critical_tokens = tokens per batch x (noise / σ1)²: the batch size at which the bias along R equals the
+             noise (noise falls as 1/sqrt(tokens); the bias does not)
+  Adam (from the checkpoint's optimizer state v, bias-corrected, and eps): drift = <b / (sqrt(v) + eps), R>
+  per unit learning rate per step, walk = std over batches of <G_hp / (sqrt(v) + eps), R>; after n steps the
+  drift is n * drift and the random walk sqrt(n) * walk * sqrt(tokens per batch / tokens per step), so the
+  drift overtakes it after steps_to_drift = (walk / drift)² * (tokens per batch / tokens per step) steps.
+
+Across checkpoints, `alignment` is |cos| between each head's R at successive checkpoints (a shared R is the
+paper's Fig. 4). The record (JSON) keeps every number; the table prints the heads with the largest |t|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lowprec.analysis import BIASED_T
+from lowprec.attention import AttentionSpec
+from lowprec.checkpoint import load_checkpoint
+from lowprec.configs import TrainConfig, apply_overrides
+from lowprec.data import sample_batch
+from lowprec.model import GPT
+from lowprec.runs import load_run, provenance, write_json
+from lowprec.train import load_tokens, make_optimizer
+
+HP_SPEC = "emulated/precision=fp32/o_for_delta=fp32"
+
+
+@dataclass
+class HeadBias:
+    """`bias_noise` for one head (module docstring)."""
+
+    bias_norm: float
+    rank1: float
+    t: float
+    biased: bool
+    noise: float
+    critical_tokens: float
+    drift: float | None
+    walk: float | None
+    steps_to_drift: float | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def bias_noise(g_lp: torch.Tensor, g_hp: torch.Tensor, tokens_per_batch: int, tokens_per_step: int,
+               adam_v: torch.Tensor | None = None, eps: float = 1e-8) -> tuple[HeadBias, torch.Tensor]:
+    """Statistics of one head from per-batch gradients g_lp, g_hp (batches, head_dim, n_embd); adam_v is the
+    optimizer's (bias-corrected) second moment for the same slice. Returns the statistics and R."""
+    err, hp = (g_lp - g_hp).double(), g_hp.double()
+    n = err.shape[0]
+    b = err.mean(0)
+    u, sigma, vh = torch.linalg.svd(b, full_matrices=False)
+    r = torch.outer(u[:, 0], vh[0])
+    along = (err * r).sum((1, 2))
+    t = along.mean() / (along.std() / math.sqrt(n)) if n > 1 and along.std() > 0 else torch.tensor(0.0)
+    noise = float((hp * r).sum((1, 2)).std()) if n > 1 else math.nan
+    energy = float(sigma[0] ** 2 / (sigma**2).sum()) if sigma.sum() > 0 else 0.0
+    critical = tokens_per_batch * (noise / float(sigma[0])) ** 2 if sigma[0] > 0 else math.inf
+    drift = walk = steps = None
+    if adam_v is not None:
+        scale = 1.0 / (adam_v.double().sqrt() + eps)
+        drift = float((b * scale * r).sum())
+        walk = float(((hp * scale) * r).sum((1, 2)).std()) if n > 1 else math.nan
+        steps = (walk / drift) ** 2 * tokens_per_batch / tokens_per_step if drift else math.inf
+    biased = abs(float(t)) >= BIASED_T
+    stats = HeadBias(float(sigma[0]), energy, float(t), biased, noise, critical, drift, walk, steps)
+    return stats, r
+
+
+def wq_grads(model: GPT) -> torch.Tensor:
+    """(layers, heads, head_dim, n_embd) W_Q gradients, from each layer's c_attn weight gradient."""
+    c = model.config
+    d = c.n_embd // c.n_head
+    return torch.stack([a.c_attn.weight.grad[: c.n_embd].detach().float().view(c.n_head, d, c.n_embd)
+                        for a in model.attention_layers()])
+
+
+def adam_second_moment(model: GPT, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """(layers, heads, head_dim, n_embd) bias-corrected exp_avg_sq of W_Q from a loaded Adam(W) optimizer, or
+    None if it has taken no step yet."""
+    c = model.config
+    d = c.n_embd // c.n_head
+    beta2 = optimizer.param_groups[0]["betas"][1]
+    moments = []
+    for attn in model.attention_layers():
+        state = optimizer.state.get(attn.c_attn.weight)
+        if not state:
+            return None
+        v = state["exp_avg_sq"][: c.n_embd].float().view(c.n_head, d, c.n_embd)
+        moments.append(v / (1 - beta2 ** float(state["step"])))
+    return torch.stack(moments)
+
+
+def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, batches: int,
+            batch_size: int | None, overrides: list[str]) -> dict:
+    """The record of `lowprec experiment bias-noise` (module docstring)."""
+    run = load_run(run_dir)
+    cfg = apply_overrides(TrainConfig.from_dict(run.config), overrides)
+    if batch_size is not None:
+        cfg = apply_overrides(cfg, [f"batch_size={batch_size}"])
+    hp_spec, lp_specs = AttentionSpec.parse(hp), [AttentionSpec.parse(s) for s in specs]
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    data = load_tokens(cfg.data)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+                else torch.autocast(device.type, enabled=False))
+    model = GPT(cfg.model).to(device)
+    tokens_per_batch = cfg.batch_size * cfg.model.block_size
+    record: dict = {"run": str(run_dir), "hp": str(hp_spec), "specs": [str(s) for s in lp_specs],
+                    "batches": batches, "tokens_per_batch": tokens_per_batch,
+                    "tokens_per_step": run.config["batch_size"] * run.config["grad_accum"]
+                    * run.config["model"]["block_size"], "eps": cfg.eps, "checkpoints": []}
+    previous: dict[str, torch.Tensor] = {}
+    for path in checkpoints:
+        state = load_checkpoint(path)  # checked against its sha256
+        model.load_state_dict(state["model"])
+        optimizer = make_optimizer(model, cfg, device)
+        optimizer.load_state_dict(state["optimizer"])
+        v = adam_second_moment(model, optimizer)
+        grads: dict[str, list[torch.Tensor]] = {str(s): [] for s in [hp_spec, *lp_specs]}
+        for i in range(batches):  # the run's own batches from its checkpoint step on
+            x, y = sample_batch(data.train, cfg.seed, state["step"] * cfg.grad_accum + i, cfg.batch_size,
+                                cfg.model.block_size, device=device)
+            for spec in [hp_spec, *lp_specs]:
+                for attn in model.attention_layers():
+                    attn.spec = spec
+                model.zero_grad(set_to_none=True)
+                with autocast:
+                    _, loss = model(x, y)
+                loss.backward()
+                grads[str(spec)].append(wq_grads(model).cpu())
+        g_hp = torch.stack(grads[str(hp_spec)])  # (batches, layers, heads, head_dim, n_embd)
+        entry = {"path": str(path), "step": state["step"], "specs": {}}
+        for spec in lp_specs:
+            g_lp = torch.stack(grads[str(spec)])
+            heads, directions = [], []
+            for layer in range(g_lp.shape[1]):
+                row = []
+                for head in range(g_lp.shape[2]):
+                    stats, r = bias_noise(g_lp[:, layer, head], g_hp[:, layer, head], tokens_per_batch,
+                                          record["tokens_per_step"],
+                                          None if v is None else v[layer, head].cpu(), cfg.eps)
+                    row.append(stats.to_dict())
+                    directions.append(r)
+                heads.append(row)
+            directions_t = torch.stack(directions)
+            spec_entry = {"heads": heads}
+            if str(spec) in previous:
+                cos = (directions_t * previous[str(spec)]).sum((1, 2)).abs()
+                spec_entry["alignment"] = cos.view(len(heads), -1).tolist()
+            previous[str(spec)] = directions_t
+            entry["specs"][str(spec)] = spec_entry
+        record["checkpoints"].append(entry)
+    return record
+
+
+def format_table(record: dict, rows: int = 8) -> str:
+    """The heads with the largest |t| per checkpoint and spec."""
+    lines = []
+    for entry in record["checkpoints"]:
+        for spec, result in entry["specs"].items():
+            lines.append(f"step {entry['step']}  {spec}  vs {record['hp']}  "
+                         f"({record['batches']} batches of {record['tokens_per_batch']} tokens)")
+            lines.append(f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
+                         f"{'crit. tokens':>13} {'steps to drift':>15}")
+            flat = [(layer, head, h) for layer, row in enumerate(result["heads"])
+                    for head, h in enumerate(row)]
+            for layer, head, h in sorted(flat, key=lambda x: -abs(x[2]["t"]))[:rows]:
+                steps = "-" if h["steps_to_drift"] is None else f"{h['steps_to_drift']:.3g}"
+                lines.append(f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} "
+                             f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
+                             f"{steps:>15}")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path, help="a recorded run folder (its config.json gives model and data)")
+    parser.add_argument("--ckpt", type=Path, action="append", required=True,
+                        help="checkpoint file(s) of that run, e.g. RUN/checkpoint/ckpt-003000.pt "
+                             "(repeatable)")
+    parser.add_argument("--spec", action="append", default=None, dest="specs",
+                        help="low-precision attention spec(s) to test (default: the run's own)")
+    parser.add_argument("--hp", default=HP_SPEC, help=f"high-precision reference spec (default {HP_SPEC})")
+    parser.add_argument("--batches", type=int, default=32, help="batches per checkpoint (default 32)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="sequences per batch (default: the run's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override a field of the run's config, e.g. --set device=cpu")
+    parser.add_argument("--out", type=Path, help="write the record (JSON) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batches < 2:
+        raise ValueError(f"--batches must be >= 2 (the noise is a spread over batches), got {args.batches}")
+    for path in args.ckpt:
+        if not path.is_file():
+            raise ValueError(f"--ckpt {path} is not a file")
+    specs = args.specs or [load_run(args.run).config["model"]["attention"]]
+    record = measure(args.run, args.ckpt, specs, args.hp, args.batches, args.batch_size, args.overrides)
+    record["provenance"] = provenance()
+    print(format_table(record))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.out, record)
+        print(f"wrote {args.out}")
+    return 0

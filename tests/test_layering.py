@@ -1,0 +1,83 @@
+"""The library's layers (lib/lowprec/README.md): each part imports only from the parts below it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LIB = Path(__file__).resolve().parents[1] / "lib" / "lowprec"
+
+# part -> the parts it may import (a part is lowprec.<first name>; "lowprec" alone is the package's __init__)
+ALLOWED = {
+    "formats": set(),
+    "fsutil": set(),
+    "attention": {"formats"},
+    "model": {"attention", "formats"},
+    "configs": {"model"},
+    "dist": {"configs"},
+    "checkpoint": {"fsutil"},
+    "runs": {"fsutil"},
+    "analysis": {"runs"},
+    "data": {"fsutil", "lowprec"},
+    "telemetry": {"model", "attention", "formats"},
+    "train": {"model", "telemetry", "data", "runs", "configs", "dist", "checkpoint", "fsutil", "lowprec"},
+    "replay": {"train", "configs", "dist", "runs", "model", "attention"},
+    "instruments": {"analysis", "attention", "checkpoint", "configs", "formats", "model", "runs", "train",
+                    "data"},
+    "viz": {"formats", "attention", "analysis", "runs", "instruments"},
+    "cli": set(),
+}
+
+
+def part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "lowprec"
+
+
+def lowprec_imports(path: Path) -> set[str]:
+    """Every lowprec module a file imports, at the top or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "lowprec"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lowprec":
+            if node.module == "lowprec":  # `from lowprec import data` imports lowprec.data
+                found |= {f"lowprec.{a.name}" if (LIB / a.name).exists() or (LIB / f"{a.name}.py").exists()
+                          else "lowprec" for a in node.names}
+            else:
+                found.add(node.module)
+    return found
+
+
+FILES = sorted(p for p in LIB.rglob("*.py") if p.name != "__init__.py" or p.parent != LIB)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(LIB)))
+def test_each_part_imports_only_the_parts_below_it(path: Path) -> None:
+    own = path.relative_to(LIB).parts[0].removesuffix(".py")
+    assert own in ALLOWED, f"{own}: a new part of lib/lowprec needs a row in ALLOWED and in the README"
+    bad = sorted(m for m in lowprec_imports(path) if part(m) != own and part(m) not in ALLOWED[own])
+    assert not bad, f"{path.relative_to(LIB)} imports {bad}; {own} may import only {sorted(ALLOWED[own])}"
+
+
+def test_nothing_imports_the_cli() -> None:
+    users = [str(p.relative_to(LIB)) for p in FILES if "lowprec.cli" in lowprec_imports(p)]
+    assert not users, f"{users} import lowprec.cli: commands register in cli.COMMANDS instead"
+
+
+@pytest.mark.parametrize("module,absent", [
+    ("lowprec.runs", "torch"),
+    ("lowprec.analysis", "lowprec.model"),
+    ("lowprec.analysis", "lowprec.attention"),
+    ("lowprec.viz", "lowprec.train"),
+    ("lowprec.formats", "lowprec.attention"),
+    ("lowprec.attention", "lowprec.model"),
+])
+def test_importing_a_lower_layer_loads_no_upper_one(module: str, absent: str) -> None:
+    code = f"import sys, {module}; assert {absent!r} not in sys.modules, sorted(sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, f"importing {module} loads {absent}"
