@@ -28,7 +28,7 @@ book: setup
 
 test: setup
 	$(PY) -m ruff check lib tests book _ext
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 # JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
 # Exploring changes no file in book/: autosave is off (the lab would otherwise rewrite every opened chapter:

@@ -14,7 +14,8 @@ from lowprec.model import GPTConfig
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 PRECISIONS = ["fa2", "paper", "fp32", "paper:tile=64", "fa2:weights=e8m3@ones", "fa2:weights=bf16@stochastic",
-              "paper:tile=64,weights=none,product=none,accumulator=none", "paper:tile=none"]
+              "paper:tile=64,weights=none,product=none,accumulator=none", "paper:tile=none", "consistent",
+              "consistent:weights=e8m3", "paper:norm=rounded"]
 FIXES = [None, Fix(), Fix(beta=7.0), Fix(beta=2.5, tie="row"), Fix(tol=0.0, variant="closed"),
          Fix(beta=3.0, min_gap=0.01, max_gap=10.0, tol=1e-3)]
 OPTIONS = {"sdpa": [{}, {"sdpa_backend": "flash"}], "emulated": [{}, {"block_m": 32, "delta": "dP_P"}],
@@ -103,3 +104,13 @@ def test_capabilities_come_from_one_table() -> None:
         AttentionSpec("triton", options={"block_m": "64"})
     with pytest.raises(ValueError, match="attention spec 'triton/block_m=x'"):
         AttentionSpec.parse("triton/block_m=x")
+
+
+def test_consistent_placement_is_fa2_with_rounded_normalisation() -> None:
+    consistent = Precision.parse("consistent")
+    assert consistent == Precision.parse("fa2:norm=rounded") and consistent.norm == "rounded"
+    assert consistent.spec == "consistent" and Precision.parse("consistent:norm=exact") == Precision.fa2()
+    spec = AttentionSpec.parse("triton/precision=fa2:norm=rounded/fix=2")
+    assert str(spec) == "triton/precision=consistent/fix=2"
+    with pytest.raises(ValueError, match="norm must be one of"):
+        Precision.parse("fa2:norm=approx")

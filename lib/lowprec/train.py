@@ -5,6 +5,8 @@ min_lr, global-norm clipping, bf16 autocast on CUDA (fp32 master weights; TF32 o
 optional torch.compile (default: on for CUDA, off for CPU), DDP under torchrun (`torchrun --standalone
 --nproc_per_node=N -m lowprec.cli train ...`; gloo on CPU, NCCL on CUDA). CPU runs default to fp32 (smoke-cpu
 sets dtype=float32): bf16 autocast on CPU is slow and adds nothing a test needs; set dtype=bfloat16 to get it.
+The file is longer than the project's ~450-line guide: the Trainer is one class in reading order (build,
+checkpoints, step, flush, loop, finish), kept in one file so the loop reads top to bottom, as in nanoGPT.
 
 Determinism: the model is initialised from `seed`; the batch of micro-step i of step s is
 `lowprec.data.sample_batch(seed, s * A + i)` (A = micro-steps per process), a pure function of (seed, step);

@@ -2,7 +2,8 @@
 
 `backend` is a name, an `AttentionSpec` or its string ("triton/precision=fa2/fix=2"); keywords add to (and
 override) the spec's. Backends (all take and return (batch, heads, seq, head_dim) tensors; the output has
-q's dtype):
+q's dtype). Every backend takes k, v with fewer heads than q (grouped-query attention), Nq != Nk with the
+causal mask aligned bottom-right, and `scale` (default 1/sqrt(head_dim)); reference.py says how:
 - "reference": float64 softmax attention (`reference_attention`), cast back to q's dtype.
 - "math": plain attention in the input dtype, op by op as torch does it: q @ k^T * scale, mask, softmax, @ v.
 - "sdpa": torch.nn.functional.scaled_dot_product_attention; `sdpa_backend=` "flash" | "efficient" | "cudnn" |
@@ -20,25 +21,34 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from lowprec.attention.reference import causal_mask, check_qkv, reference_attention, scaled_scores
+from lowprec.attention.reference import causal_mask, check_qkv, expand_kv, reference_attention, scaled_scores
 from lowprec.attention.spec import AttentionSpec
 
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
-    """Standard (non-flash) attention with every op in the input dtype."""
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                   scale: float | None = None) -> torch.Tensor:
+    """Standard (non-flash) attention with every op in the input dtype (rows that see no key: 0)."""
     check_qkv(q, k, v)
-    s = scaled_scores(q, k)
+    s = scaled_scores(q, k, scale)
+    blind = None  # rows that see no key (causal, Nq > Nk): their scores become 0 and their output 0, not NaN
     if causal:
-        s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+        visible = causal_mask(q.shape[2], q.device, k.shape[2])
+        s = s.masked_fill(~visible, float("-inf"))
+        if q.shape[2] > k.shape[2]:
+            blind = ~visible.any(-1, keepdim=True)
+            s = s.masked_fill(blind, 0.0)
+    o = torch.softmax(s, dim=-1) @ expand_kv(v, q.shape[1])
+    return o if blind is None else o.masked_fill(blind, 0.0)
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sdpa_backend: str | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sdpa_backend: str | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """torch's scaled_dot_product_attention, optionally pinned to one of its kernels."""
+    """torch's scaled_dot_product_attention, optionally pinned to one of its kernels (Nq != Nk causal: a
+    bottom-right causal bias)."""
     check_qkv(q, k, v)
     if sdpa_backend is None:
         ctx = contextlib.nullcontext()
@@ -54,8 +64,19 @@ def sdpa_attention(
         ctx = sdpa_kernel(getattr(SDPBackend, names[sdpa_backend]))
     else:
         raise ValueError(f"sdpa_backend must be None or one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+    kw: dict[str, object] = {"scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
+    blind = None  # rows that see no key (causal, Nq > Nk): attend to every key, then output 0 (not NaN)
+    if causal and q.shape[2] != k.shape[2]:
+        visible = causal_mask(q.shape[2], q.device, k.shape[2])
+        if q.shape[2] > k.shape[2]:
+            blind = ~visible.any(-1, keepdim=True)
+            visible = visible | blind
+        kw["attn_mask"] = visible
+    else:
+        kw["is_causal"] = causal
     with ctx:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        o = F.scaled_dot_product_attention(q, k, v, **kw)
+    return o if blind is None else o.masked_fill(blind, 0.0)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionSpec | str = "sdpa",
@@ -69,9 +90,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Attent
     spec.accepts(set(kw))
     kw = {**spec.kwargs(), **kw}
     if spec.backend == "reference":
-        return reference_attention(q, k, v, causal)[0].to(q.dtype)
+        return reference_attention(q, k, v, causal, **kw)[0].to(q.dtype)
     if spec.backend == "math":
-        return math_attention(q, k, v, causal)
+        return math_attention(q, k, v, causal, **kw)
     if spec.backend == "sdpa":
         return sdpa_attention(q, k, v, causal, **kw)
     if spec.backend == "emulated":

@@ -10,8 +10,11 @@ the same bits:
 Tiles: the forward loops over key/value tiles of `block_n` columns in increasing order; all query rows are
 processed at once inside a tile (the kernel's query blocks only group rows, they do not change any row's
 arithmetic; under causal masking rows that cannot see a tile skip it, which adds nothing). The backward
-mirrors the kernel's two loops: dK/dV accumulate over query blocks of `block_m` rows in increasing order, dQ
+mirrors the kernel's two loops: dK/dV accumulate over query blocks of `block_m` rows in increasing order (with
+grouped-query attention: over the group's query heads in increasing order, each over all its blocks), dQ
 over key tiles of `block_n` columns in increasing order, each step adding one rounded dot to an fp32 sum.
+k and v may have fewer heads than q and another length (Nk); causal masks are aligned bottom-right
+(reference.py).
 
 Backward: delta = rowsum(dO * O) with O the saved (output-rounded) output, or the unrounded acc/l
 (`o_for_delta="fp32"`), or delta = rowsum(dP * P) (`delta="dP_P"`): the paper's localisation ablations.
@@ -32,7 +35,7 @@ from lowprec.attention.precision import (
     round_scores,
     round_weights,
 )
-from lowprec.attention.reference import check_qkv
+from lowprec.attention.reference import check_qkv, expand_kv
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DELTAS = ("dO_O", "dP_P")
@@ -59,14 +62,25 @@ def rowsum(x: torch.Tensor) -> torch.Tensor:
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, rows: slice, cols: slice, plan: CallPlan, gen: Generator = None):
-    """Rounded, scaled, masked scores of rows x cols (fp32; q, k already fp32, plan for the input dtype)."""
+    """Rounded, scaled, masked scores of rows x cols (fp32; q, k already fp32 with the same heads, plan for
+    the input dtype); causal: -inf where key j > query i + Nk - Nq."""
     s = dot(q[:, :, rows], k[:, :, cols].transpose(-1, -2)) * plan.scale
     s = round_scores(s, plan.precision, plan.dtype, gen)
     if plan.causal:
         i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
         j = torch.arange(cols.start, cols.stop, device=q.device)[None, :]
-        s = s.masked_fill(j > i, NEG_INF)
+        s = s.masked_fill(j > i + (k.shape[2] - q.shape[2]), NEG_INF)
     return s
+
+
+def seeing_rows(cols: slice, n_q: int, n_k: int, causal: bool) -> slice:
+    """The query rows that see at least one key of `cols` (causal: from the first row seeing cols.start)."""
+    return slice(min(max(cols.start - (n_k - n_q), 0), n_q) if causal else 0, n_q)
+
+
+def seen_cols(rows: slice, n_q: int, n_k: int, causal: bool) -> slice:
+    """The keys that at least one query row of `rows` sees (causal: up to the last row's last key)."""
+    return slice(0, min(max(rows.stop + (n_k - n_q), 0), n_k) if causal else n_k)
 
 
 def top_two(s: torch.Tensor, best: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,28 +97,29 @@ def tiles(n: int, size: int) -> list[slice]:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, gen: Generator = None):
-    """Returns (o: output-rounded fp32, o_unrounded: acc/l fp32, lse fp32) and sets plan.stats."""
+    """Returns (o: output-rounded fp32, o_unrounded: acc/l fp32, lse fp32) and sets plan.stats. k, v may have
+    fewer heads than q (each serves a group of query heads); rows that see no key get o = 0, lse = +inf."""
     dtype, prec, fp = plan.dtype, plan.precision, plan.fix
-    qf, kf, vd = q.float(), k.float(), v.to(plan.pv_dtype)
     B, H, N, D = q.shape
+    n_k = k.shape[2]
+    qf, kf, vd = q.float(), expand_kv(k.float(), H), expand_kv(v.to(plan.pv_dtype), H)
     m = torch.full((B, H, N), NEG_INF, device=q.device)
     l = torch.zeros((B, H, N), device=q.device)
     acc = torch.zeros((B, H, N, D), device=q.device)
     counters = {name: torch.zeros((B, H, N), dtype=torch.int32, device=q.device) for name in STAT_NAMES}
-    col_tiles = tiles(N, plan.block_n)
+    col_tiles = [(cols, rows) for cols in tiles(n_k, plan.block_n)
+                 if (rows := seeing_rows(cols, N, n_k, plan.causal)).start < N]
     if fp is not None and fp.whole_row:  # first pass: each row's top two scores over all keys
         best = torch.full((B, H, N), NEG_INF, device=q.device)
         second = best.clone()
-        for cols in col_tiles:
-            rows = slice(cols.start if plan.causal else 0, N)
+        for cols, rows in col_tiles:
             b, s2 = top_two(scores(qf, kf, rows, cols, plan, gen), best[:, :, rows], second[:, :, rows])
             best[:, :, rows], second[:, :, rows] = b, s2
         m, triggered, fallback = fix_shift(best, (second >= best - fp.tol) & (best > NEG_INF), fp)
         m = torch.where(triggered, m, NEG_INF)
         counters["fix_triggers"] += triggered.int()
         counters["fix_fallbacks"] += fallback.int()
-    for cols in col_tiles:
-        rows = slice(cols.start if plan.causal else 0, N)
+    for cols, rows in col_tiles:
         # -- scores, ties, shift --
         s = scores(qf, kf, rows, cols, plan, gen)
         r = s.amax(-1)
@@ -117,10 +132,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, g
         # -- online softmax: rescale, row sum, P̄V, running output --
         m_old = m[:, :, rows]
         m_new = torch.maximum(m_old, shift)
-        alpha = exp(m_old - m_new)
-        p = exp(s - m_new[..., None])
-        l[:, :, rows] = round_rowsum(l[:, :, rows] * alpha + rowsum(p), prec, dtype, gen)
+        m_use = torch.where(m_new == NEG_INF, 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
+        alpha = exp(m_old - m_use)
+        p = exp(s - m_use[..., None])
+        if prec.norm == "exact":
+            l[:, :, rows] = round_rowsum(l[:, :, rows] * alpha + rowsum(p), prec, dtype, gen)
         p_lp = round_weights(p, prec, dtype, gen)
+        if prec.norm == "rounded":
+            l[:, :, rows] = round_rowsum(l[:, :, rows] * alpha + rowsum(p_lp), prec, dtype, gen)
         pv = round_product(dot(p_lp.to(vd.dtype), vd[:, :, cols]), prec, dtype, gen)
         acc[:, :, rows] = round_accumulator(acc[:, :, rows] * alpha[..., None] + pv, prec, dtype, gen)
         m[:, :, rows] = m_new
@@ -128,43 +147,58 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, g
         counters["pbar_ones"][:, :, rows] += (p_lp == 1.0).sum(-1, dtype=torch.int32)
         counters["tie_tiles"][:, :, rows] += exact.int()
         counters["near_tie_tiles"][:, :, rows] += near.int()
-    o_raw = acc / l[..., None]
+    empty = l == 0  # rows that saw no key
+    l_safe = torch.where(empty, 1.0, l)
+    o_raw = acc / l_safe[..., None]
     o = round_output(o_raw, prec, dtype, gen)
-    lse = m + log(l)
+    lse = torch.where(empty, float("inf"), m + log(l_safe))
     plan.stats = AttentionStats(**counters)
     return o, o_raw, lse
 
 
 def backward(q, k, v, o, lse, do, plan: CallPlan, delta_mode: str = "dO_O"):
-    """dq, dk, dv (fp32) in the kernel's loop order, and delta; o is the O used for delta."""
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    """dq, dk, dv (fp32) in the kernel's loop order, and delta; o is the O used for delta. dK, dV of a
+    key/value head sum its group of query heads: query heads in increasing order, each over its query blocks
+    in increasing order (the kernel's `_dkdv` loops)."""
     B, H, N, D = q.shape
+    H_kv, n_k = k.shape[1], k.shape[2]
+    group = H // H_kv
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    kx, vx = expand_kv(kf, H), expand_kv(vf, H)
     if delta_mode == "dO_O":
         delta = rowsum(dof * o)
     else:  # rowsum(dP * P), accumulated over key tiles
         delta = torch.zeros((B, H, N), device=q.device)
-        for cols in tiles(N, plan.block_n):
-            rows = slice(cols.start if plan.causal else 0, N)
-            p = exp(scores(qf, kf, rows, cols, plan) - lse[:, :, rows, None])
-            dp = dot(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
+        for cols in tiles(n_k, plan.block_n):
+            rows = seeing_rows(cols, N, n_k, plan.causal)
+            p = exp(scores(qf, kx, rows, cols, plan) - lse[:, :, rows, None])
+            dp = dot(dof[:, :, rows], vx[:, :, cols].transpose(-1, -2))
             delta[:, :, rows] += rowsum(dp * p)
-    dq, dk, dv = (torch.zeros((B, H, N, D), device=q.device) for _ in range(3))
 
-    def tile_grads(rows: slice, cols: slice):
-        p = exp(scores(qf, kf, rows, cols, plan) - lse[:, :, rows, None])
-        dp = dot(dof[:, :, rows], vf[:, :, cols].transpose(-1, -2))
-        ds = p * (dp - delta[:, :, rows, None])
+    def tile_grads(q_, k_, v_, do_, lse_, delta_, rows: slice, cols: slice):
+        p = exp(scores(q_, k_, rows, cols, plan) - lse_[:, :, rows, None])
+        dp = dot(do_[:, :, rows], v_[:, :, cols].transpose(-1, -2))
+        ds = p * (dp - delta_[:, :, rows, None])
         return p.to(plan.dtype).float(), ds.to(plan.dtype).float()
 
-    for rows in tiles(N, plan.block_m):  # dK, dV: query blocks in increasing order
-        cols = slice(0, rows.stop if plan.causal else N)
-        p, ds = tile_grads(rows, cols)
-        dv[:, :, cols] += dot(p.transpose(-1, -2), dof[:, :, rows])
-        dk[:, :, cols] += dot(ds.transpose(-1, -2), qf[:, :, rows])
-    for cols in tiles(N, plan.block_n):  # dQ: key tiles in increasing order
-        rows = slice(cols.start if plan.causal else 0, N)
-        _, ds = tile_grads(rows, cols)
-        dq[:, :, rows] += dot(ds, kf[:, :, cols])
+    dq = torch.zeros((B, H, N, D), device=q.device)
+    dk, dv = (torch.zeros((B, H_kv, n_k, D), device=q.device) for _ in range(2))
+    grouped = [t.unflatten(1, (H_kv, group)) for t in (qf, dof, lse, delta)]  # query head h = kv * group + g
+    for g in range(group):  # dK, dV: the group's query heads, each over its query blocks in increasing order
+        q_g, do_g, lse_g, delta_g = (t[:, :, g] for t in grouped)
+        for rows in tiles(N, plan.block_m):
+            cols = seen_cols(rows, N, n_k, plan.causal)
+            if cols.stop == 0:
+                continue
+            p, ds = tile_grads(q_g, kf, vf, do_g, lse_g, delta_g, rows, cols)
+            dv[:, :, cols] += dot(p.transpose(-1, -2), do_g[:, :, rows])
+            dk[:, :, cols] += dot(ds.transpose(-1, -2), q_g[:, :, rows])
+    for cols in tiles(n_k, plan.block_n):  # dQ: key tiles in increasing order
+        rows = seeing_rows(cols, N, n_k, plan.causal)
+        if rows.start == N:
+            continue
+        _, ds = tile_grads(qf, kx, vx, dof, lse, delta, rows, cols)
+        dq[:, :, rows] += dot(ds, kx[:, :, cols])
     return dq * plan.scale, dk * plan.scale, dv, delta
 
 
@@ -191,6 +225,7 @@ def emulated_attention(
     causal: bool = True,
     precision: Precision | str = "fa2",
     fix: Fix | float | bool | str | None = None,
+    scale: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     delta: str = "dO_O",
@@ -201,10 +236,12 @@ def emulated_attention(
 ):
     """Tiled FlashAttention-2 forward (and autograd backward) with the rounding of `precision`.
 
-    q, k, v: (batch, heads, seq, head_dim), bf16/fp16/fp32, any device. precision: a Precision or its short
-    string ("fa2", "paper", "fa2:weights=e8m3", ...). fix: a Fix (or True / a beta value / "2:tie=row") for
-    the dynamic maximum. block_m / block_n: query / key tile sizes (default: precision.tile or 64). delta,
-    o_for_delta: backward variants (module docstring). generator: random bits for stochastic rounding.
+    q: (B, H, Nq, D), k, v: (B, H_kv, Nk, D) with H a multiple of H_kv (grouped-query attention),
+    bf16/fp16/fp32, any device; causal aligns the mask bottom-right (reference.py). precision: a Precision or
+    its short string ("fa2", "paper", "fa2:weights=e8m3", ...). fix: a Fix (or True / a beta value /
+    "2:tie=row") for the dynamic maximum. scale: the softmax scale (default 1/sqrt(D); rounded to fp32).
+    block_m / block_n: query / key tile sizes (default: precision.tile or 64). delta, o_for_delta: backward
+    variants (module docstring). generator: random bits for stochastic rounding.
     Returns o (q's dtype); with return_lse also lse (fp32, (batch, heads, seq)); with return_stats also an
     AttentionStats of the forward pass, in that order.
     """
@@ -213,7 +250,7 @@ def emulated_attention(
         raise ValueError(f"delta must be one of {DELTAS}, got {delta!r}")
     if o_for_delta not in O_FOR_DELTA:
         raise ValueError(f"o_for_delta must be one of {O_FOR_DELTA}, got {o_for_delta!r}")
-    plan = plan_call(q, causal, precision, fix, block_m, block_n)
+    plan = plan_call(q, causal, precision, fix, block_m, block_n, scale)
     o, lse = _Emulated.apply(q, k, v, plan, delta, o_for_delta, generator)
     extra = ([lse] if return_lse else []) + ([plan.stats] if return_stats else [])
     return (o, *extra) if extra else o

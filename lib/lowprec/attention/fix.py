@@ -135,7 +135,7 @@ class Fix:
         if self.variant == "published":
             min_gap = 0.0
         max_gap = -emin * LN2 / 2 if self.max_gap is None else float(self.max_gap)
-        return FixParams(_f32(self.beta), _f32(tol), _f32(min_gap), _f32(max_gap), self.tie == "row")
+        return FixParams(f32(self.beta), f32(tol), f32(min_gap), f32(max_gap), self.tie == "row")
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,14 @@ def _number(x: object) -> str:
     return "none" if x is None else str(x)
 
 
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+def f32(x: float) -> float:
+    """x rounded to the nearest fp32 value (ties to even, overflow to inf), in plain Python: no torch op, so
+    torch.compile traces the option handling around the kernels without a graph break."""
+    if not math.isfinite(x) or x == 0:
+        return float(x)
+    step = math.ldexp(1.0, max(math.frexp(x)[1] - 24, -149))  # the fp32 grid step at |x|
+    y = round(x / step) * step  # round() ties to even; x / step is exact
+    return y if abs(y) < 2.0**128 else math.copysign(math.inf, x)
 
 
 def as_fix(fix: Fix | float | bool | str | None) -> Fix | None:

@@ -8,15 +8,32 @@ triton was imported earlier), and under TRITON_INTERPRET=1 (CPU) it applies inte
 which the kernels are bit-identical to emulated_attention (o, lse, delta, dq, dk, dv, counters) for
 round-to-nearest precisions.
 
+Inputs: q (B, H, Nq, D), k and v (B, H_kv, Nk, D), H a multiple of H_kv (grouped-query / multi-query
+attention: query head h reads key/value head h // (H // H_kv)), causal masks aligned bottom-right (query i
+sees keys j <= i + Nk - Nq; rows that see no key give o = 0, lse = +inf), D from 16 to 256 (padded to a
+power of two), any strides with a contiguous head dim (e.g. the model's transposed (B, N, H, D) views): the
+kernels take each tensor's (batch, head, seq) strides, so nothing is copied. The output (and dq, dk, dv)
+are laid out like q (and k, v): (B, N, H, D) memory when the input's seq stride exceeds its head stride, else
+contiguous (B, H, N, D), as torch's SDPA does.
+
+torch.compile: the kernels are two custom ops, `torch.ops.lowprec.flash_forward` and
+`torch.ops.lowprec.flash_backward` (torch.library.custom_op, with fake implementations and the backward
+registered as the forward's autograd formula). Their options are plain values (the precision's and the Fix's
+spec strings, floats, ints, bools), resolved inside the op, so Dynamo traces `flash_attention` without a graph
+break and Inductor compiles the model around the kernels (it calls them as opaque ops and never re-compiles
+them).
+
 Launch
 - Block sizes: under the interpreter BLOCK_M = BLOCK_N = 64 (or Precision.tile, or block_m/block_n), the same
   tiles as emulated_attention's defaults. On a GPU the kernels are autotuned over a few Hopper configs
   (BLOCK_M, warps, stages; the forward keeps BLOCK_N = 64 so that per-tile tie detection does not depend on
-  the chosen config); the Fix, the counters and the rounding codes (constexprs FIX, WITH_STATS, CODES, ...)
-  are part of the autotune key, so each variant gets its own pick.
+  the chosen config), each tried only for the head dims it suits (`_CONFIGS_FOR`: head dim 256 needs smaller
+  tiles); the Fix, the counters and the rounding codes (constexprs FIX, WITH_STATS, CODES, NORM ...) are part
+  of the autotune key, so each variant gets its own pick.
 - Kernel arguments: the six rounding codes go in as one constexpr tuple CODES (POINTS order; the backward
   needs only the scores' code, C_SCORES), the Fix's numbers as one fp32 tuple `fix` = (beta, tol, min_gap,
-  max_gap) (placeholders without a Fix; tol is also the counters' near-tie window).
+  max_gap) (placeholders without a Fix; tol is also the counters' near-tie window), each tensor's strides as
+  one tuple (batch, head, seq).
 
 What differs on a GPU (so GPU results match the emulator only statistically, not bit for bit):
 - tl.dot runs on tensor cores: exact products but a hardware-specific multi-term accumulation with truncated
@@ -36,21 +53,26 @@ from lowprec.attention.triton_mode import INTERPRET  # first: it may switch on t
 
 # isort: split
 import functools
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, FixParams
+from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, FixParams, as_fix
 from lowprec.attention.plan import plan_call
 from lowprec.attention.precision import Precision, fits
 from lowprec.attention.reference import check_qkv
 from lowprec.attention.triton_kernels import _delta, _dkdv, _dq, _fwd
 from lowprec.attention.triton_rounding import CAST_BF16, CAST_FP16, NONE, _codes
 
-HEAD_DIMS = (16, 128)
+HEAD_DIMS = (16, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FWD_BLOCK_N = 64  # on a GPU the forward's key tile is fixed: per-tile tie detection depends on it
+SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 
 __all__ = ["INTERPRET", "autotuned_configs", "compile_for_gpu", "flash_attention", "flash_delta"]
 
@@ -62,47 +84,66 @@ def _tuner_bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _spill_free(configs, nargs, rows: str, **kwargs):
-    """Configs whose fp32 accumulators (`rows` x BLOCK_D each) take <= 64 registers per thread: larger ones
-    spill on sm_90 (as ptxas reports for compile_for_gpu's builds)."""
-    kept = [c for c in configs if c.kwargs[rows] * kwargs["BLOCK_D"] <= 64 * 32 * c.num_warps]
-    return kept or configs[:1]
+# (BLOCK_M, BLOCK_N, warps, stages) -> the BLOCK_D (padded head dims) it is tried for: head dim 256 needs
+# smaller tiles (fp32 accumulators of rows x 256 and two-stage K/V buffers of 256 columns; the LARGE configs
+# compile without spills for sm_90, see compile_for_gpu), the smaller head dims the larger tiles of Triton's
+# fused-attention tutorial. (fp32 inputs: configs beyond the shared memory fail to launch and the autotuner
+# skips them.)
+SMALL, LARGE = (16, 32, 64, 128), (256,)
+_CONFIGS_FOR = {
+    "fwd": {(128, FWD_BLOCK_N, 8, 3): SMALL, (128, FWD_BLOCK_N, 4, 3): SMALL, (64, FWD_BLOCK_N, 4, 3): SMALL,
+            (64, FWD_BLOCK_N, 8, 2): LARGE, (32, FWD_BLOCK_N, 4, 2): LARGE},
+    "dkdv": {(64, 128, 8, 3): SMALL, (32, 128, 8, 3): SMALL, (64, 64, 4, 2): SMALL, (32, 128, 4, 3): SMALL,
+             (64, 32, 8, 2): LARGE, (32, 32, 8, 2): LARGE},
+    "dq": {(128, 64, 8, 3): SMALL, (64, 128, 8, 3): SMALL, (64, 64, 4, 3): SMALL, (128, 64, 4, 2): SMALL,
+           (64, 32, 8, 2): LARGE, (32, 64, 8, 2): LARGE},
+}
 
 
-def _tuned(kernel, configs: list[tuple[int, int, int, int]], rows: str, keys: tuple[str, ...]):
-    """`kernel` autotuned over (BLOCK_M, BLOCK_N, warps, stages); one pick per shape and constexpr variant
-    (`keys`: the kernel's variant constexprs, besides N, D, CAUSAL and IEEE)."""
+def _config_key(config: triton.Config) -> tuple[int, int, int, int]:
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def _kept_configs(configs, nargs, kernel: str, rows: str, **kwargs):
+    """The configs tried for this launch: those meant for its BLOCK_D whose fp32 accumulators (`rows` x
+    BLOCK_D each) take <= 64 registers per thread (larger ones spill on sm_90, as ptxas reports for
+    compile_for_gpu's builds)."""
+    block_d = kwargs["BLOCK_D"]
+    meant = [c for c in configs if block_d in _CONFIGS_FOR[kernel][_config_key(c)]] or configs
+    kept = [c for c in meant if c.kwargs[rows] * block_d <= 64 * 32 * c.num_warps]
+    return kept or meant[:1]
+
+
+def _tuned(kernel, name: str, rows: str, keys: tuple[str, ...]):
+    """`kernel` autotuned over _CONFIGS_FOR[name]; one pick per shape and constexpr variant (`keys`: the
+    kernel's variant constexprs, besides N_Q, N_K, D, CAUSAL and IEEE)."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+               for m, n, w, st in _CONFIGS_FOR[name]]
     return triton.autotune(
-        [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st) for m, n, w, st in configs],
-        key=["N", "D", "CAUSAL", "IEEE", *keys], do_bench=_tuner_bench,
-        prune_configs_by={"early_config_prune": functools.partial(_spill_free, rows=rows)},
+        configs, key=["N_Q", "N_K", "D", "CAUSAL", "IEEE", *keys], do_bench=_tuner_bench,
+        prune_configs_by={"early_config_prune": functools.partial(_kept_configs, kernel=name, rows=rows)},
     )(kernel)
 
 
-# A few configs each (Hopper choices as in Triton's fused-attention tutorial; stages barely matter here): a
-# new (head_dim, causal, variant) compiles each once (~1 s), a new N re-times them (~0.1 s). The forward's
-# key tile stays FWD_BLOCK_N; the Fix's constexprs and the rounding codes are in the key, so Fix on and off
-# and each precision get their own picks.
-_fwd_tuned = _tuned(
-    _fwd, [(128, FWD_BLOCK_N, 8, 3), (128, FWD_BLOCK_N, 4, 3), (64, FWD_BLOCK_N, 4, 3)], "BLOCK_M",
-    keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "CODES"),
-)
-_dkdv_tuned = _tuned(_dkdv, [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 2), (32, 128, 4, 3)], "BLOCK_N",
-                     keys=("C_SCORES",))
-_dq_tuned = _tuned(_dq, [(128, 64, 8, 3), (64, 128, 8, 3), (64, 64, 4, 3), (128, 64, 4, 2)], "BLOCK_M",
-                   keys=("C_SCORES",))
+# A new (head_dim, causal, variant) compiles each config once (~1 s), a new N re-times them (~0.1 s). The
+# forward's key tile stays FWD_BLOCK_N; the Fix's constexprs and the rounding codes are in the key, so Fix on
+# and off and each precision get their own picks.
+_fwd_tuned = _tuned(_fwd, "fwd", "BLOCK_M", keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "NORM", "CODES"))
+_dkdv_tuned = _tuned(_dkdv, "dkdv", "BLOCK_N", keys=("GROUP", "C_SCORES"))
+_dq_tuned = _tuned(_dq, "dq", "BLOCK_M", keys=("C_SCORES",))
 
 
-def autotuned_configs() -> dict[str, str]:
-    """The autotuner's picks for the latest forward, dK/dV and dQ launches (for benchmark records)."""
+def autotuned_configs() -> dict[str, dict[str, str]]:
+    """The autotuner's picks so far, per kernel ("fwd", "dkdv", "dq"): tuning key -> config (for benchmark
+    records)."""
     tuned = {"fwd": _fwd_tuned, "dkdv": _dkdv_tuned, "dq": _dq_tuned}
-    return {name: str(t.best_config) for name, t in tuned.items() if getattr(t, "best_config", None)}
+    return {name: {str(key): str(config) for key, config in t.cache.items()} for name, t in tuned.items()}
 
 
 # ------------------------------------------------------------------------------------------------- launch
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Run:
     """Resolved options of one call (shared by forward and backward)."""
 
@@ -111,15 +152,37 @@ class _Run:
     codes: dict[str, int]  # rounding codes by point, in POINTS order (the forward's CODES: their values)
     p_fp32: bool  # P̄V dot in fp32 (P̄'s format does not fit in the input dtype)
     native_p: bool  # the weights rounding is exactly the cast to the input dtype
+    norm: int  # 0: l sums P ("exact"), 1: l sums P̄ ("rounded")
+    stochastic: bool  # some point rounds stochastically (a seed is drawn when none is given)
     fix: FixParams | None
     tol: float  # the Fix's tol, or the default Fix's: the counters' near-tie window
     blocks: tuple[int, int] | None  # (BLOCK_M, BLOCK_N) fixed, or None = autotune
-    seed: int
-    with_stats: bool
-    stats: AttentionStats | None = None
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve(precision: str, fix: str, dtype: torch.dtype, head_dim: int, causal: bool, scale: float,
+             block_m: int, block_n: int) -> _Run:
+    """The options of a call from the custom ops' plain arguments (spec strings; block sizes 0 = autotune),
+    validated by plan_call; cached, so a training step pays for it once per distinct call."""
+    probe = torch.empty((1, 1, 1, head_dim), dtype=dtype, device="meta")
+    blocks_given = block_m > 0
+    plan = plan_call(probe, causal, precision, Fix.parse(fix) if fix else None,
+                     block_m if blocks_given else None, block_n if blocks_given else None, scale)
+    prec = plan.precision
+    if not fits(prec.output.resolve(dtype), dtype):
+        raise ValueError(f"precision.output ({prec.output}) must fit in q's dtype {dtype} for the triton "
+                         "backend (it stores O in q's dtype); use backend='emulated' for wider outputs")
+    blocks = (plan.block_m, plan.block_n) if (plan.tiles_given or INTERPRET) else None
+    codes = _codes(prec, dtype)
+    p_fp32 = plan.pv_dtype == torch.float32 and dtype != torch.float32
+    native_p = not p_fp32 and codes["weights"] == {torch.bfloat16: CAST_BF16, torch.float16: CAST_FP16,
+                                                   torch.float32: NONE}[dtype]
+    return _Run(causal, plan.scale, codes, p_fp32, native_p, int(prec.norm == "rounded"), prec.stochastic(),
+                plan.fix, plan.tol, blocks)
 
 
 GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents
+INT32_MAX = 2**31 - 1
 
 
 def _fold(bh: int) -> tuple[int, int]:
@@ -152,141 +215,238 @@ def _fix_args(run: _Run) -> tuple[float, float, float, float]:
     return (fp.beta, run.tol, fp.min_gap, fp.max_gap) if fp is not None else (2.0, run.tol, 0.0, 1.0)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, run: _Run):
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, seq) strides of a (B, H, N, D) tensor, for the kernels."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _addressable(t: torch.Tensor) -> torch.Tensor:
+    """t itself if the kernels can read it in place (contiguous head dim, every row offset of one head
+    within int32), else a contiguous copy."""
+    rows_span = (t.shape[2] - 1) * t.stride(2) + t.shape[3]
+    return t if t.stride(3) == 1 and rows_span <= INT32_MAX else t.contiguous()
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of t's shape and dtype in t's layout: (B, N, H, D) memory (seen as
+    (B, H, N, D)) when t's seq stride exceeds its head stride, as in the model's transposed views; else
+    contiguous."""
+    B, H, N, D = t.shape
+    if H > 1 and N > 1 and t.stride(2) > t.stride(1):
+        return t.new_empty((B, N, H, D)).transpose(1, 2)
+    return t.new_empty((B, H, N, D))
+
+
+@torch.library.custom_op("lowprec::flash_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, precision: str,
+                fix: str, seed: int, block_m: int, block_n: int, with_stats: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, lse, stats): the forward kernel. precision, fix: spec strings ("" = no Fix); seed < 0: drawn from
+    torch's generator when the precision rounds stochastically; block sizes 0: autotuned; stats: the
+    counters (len(STAT_NAMES), B, H, Nq) int32 when with_stats, else an empty tensor."""
     B, H, N, D = q.shape
-    o = torch.empty_like(q)
+    run = _resolve(precision, fix, q.dtype, D, causal, scale, block_m, block_n)
+    if seed < 0:
+        seed = int(torch.randint(0, INT32_MAX, (1,))) if run.stochastic else 0
+    q, k, v = (_addressable(t) for t in (q, k, v))
+    o = _empty_like(q)
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
-    stats = lse  # a placeholder pointer when no counters are asked for
-    if run.with_stats:
-        stats = torch.zeros((len(STAT_NAMES), B, H, N), device=q.device, dtype=torch.int32)
+    shape = (len(STAT_NAMES), B, H, N) if with_stats else (0,)
+    stats = torch.zeros(shape, device=q.device, dtype=torch.int32)
     fp = run.fix
-    _launch(_fwd, _fwd_tuned, run, N, B * H, "BLOCK_M", q, k, v, o, lse, stats, N, B * H, run.scale,
-            _fix_args(run),
-            run.seed, D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal,
-            FIX=0 if fp is None else 2 if fp.whole_row else 1, WITH_STATS=run.with_stats, P_FP32=run.p_fp32,
-            NATIVE_P=run.native_p, IEEE=q.dtype == torch.float32, CODES=tuple(run.codes.values()))
-    run.stats = AttentionStats(*stats.unbind(0)) if run.with_stats else None
-    return o, lse
+    _launch(_fwd, _fwd_tuned, run, N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
+            *map(_strides, (q, k, v, o)), N, k.shape[2], H, H // k.shape[1], B * H, run.scale, _fix_args(run),
+            seed, D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal,
+            FIX=0 if fp is None else 2 if fp.whole_row else 1, WITH_STATS=with_stats, P_FP32=run.p_fp32,
+            NATIVE_P=run.native_p, NORM=run.norm, IEEE=q.dtype == torch.float32,
+            CODES=tuple(run.codes.values()))
+    return o, lse, stats
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, causal, scale, precision, fix, seed, block_m, block_n, with_stats):
+    B, H, N, _ = q.shape
+    shape = (len(STAT_NAMES), B, H, N) if with_stats else (0,)
+    return _empty_like(q), q.new_empty((B, H, N), dtype=torch.float32), q.new_empty(shape, dtype=torch.int32)
 
 
 def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """delta = rowsum(dO * O) (fp32, (batch, heads, seq)) by the backward's preprocessing kernel."""
     B, H, N, D = o.shape
+    o, do = _addressable(o), _addressable(do)
     delta = torch.empty((B, H, N), device=o.device, dtype=torch.float32)
-    _delta[(triton.cdiv(N, 64), *_fold(B * H))](o.contiguous(), do.contiguous(), delta, N, B * H, D=D,
+    _delta[(triton.cdiv(N, 64), *_fold(B * H))](o, do, delta, _strides(o), _strides(do), N, H, B * H, D=D,
                                                  BLOCK_D=_block_d(D), BLOCK_M=64)
     return delta
 
 
-def _backward(q, k, v, o, lse, do, run: _Run):
+@torch.library.custom_op("lowprec::flash_backward", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                 do: torch.Tensor, causal: bool, scale: float, precision: str, block_m: int, block_n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv): the backward kernels (delta, dK/dV per key/value head, dQ), options as _forward_op's."""
     B, H, N, D = q.shape
-    do = do.contiguous()
+    H_kv, n_k = k.shape[1], k.shape[2]
+    run = _resolve(precision, "", q.dtype, D, causal, scale, block_m, block_n)
+    q, k, v, do = (_addressable(t) for t in (q, k, v, do))
     delta = flash_delta(o, do)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
     common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal, IEEE=q.dtype == torch.float32,
                   C_SCORES=run.codes["scores"])
-    _launch(_dkdv, _dkdv_tuned, run, N, B * H, "BLOCK_N", q, k, v, do, lse, delta, dk, dv, N, B * H,
-            run.scale, **common)
-    _launch(_dq, _dq_tuned, run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq, N, B * H, run.scale,
-            **common)
+    sizes = (N, n_k, H, H // H_kv)
+    _launch(_dkdv, _dkdv_tuned, run, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
+            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, **common)
+    _launch(_dq, _dq_tuned, run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
+            *map(_strides, (q, k, v, do, dq)), *sizes, B * H, run.scale, **common)
     return dq, dk, dv
 
 
-class _Flash(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, run: _Run):
-        o, lse = _forward(q, k, v, run)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.run = run
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        return (*_backward(q, k, v, o, lse, do, ctx.run), None)
+@_backward_op.register_fake
+def _backward_fake(q, k, v, o, lse, do, causal, scale, precision, block_m, block_n):
+    return _empty_like(q), _empty_like(k), _empty_like(v)
 
 
-# torch.compile must not trace into the kernels: Inductor re-compiles user Triton kernels with its own
-# specialisations, which this kernel's constexpr branches do not survive (seen on an H200, torch 2.11). The
-# call becomes a graph break; the kernels themselves are already fused.
-@torch.compiler.disable
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, precision, _fix, _seed, block_m, block_n, _with_stats = inputs
+    o, lse, stats = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.options = (causal, scale, precision, block_m, block_n)
+    ctx.mark_non_differentiable(lse, stats)
+
+
+def _backward_formula(ctx, do, _dlse, _dstats):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.lowprec.flash_backward(q, k, v, o, lse, do, *ctx.options)
+    return dq, dk, dv, *(None,) * 8
+
+
+_forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+@torch.compiler.assume_constant_result
+def _op_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
+                fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
+                block_n: int | None) -> tuple[str, str, float, int, int]:
+    """The custom op's plain option arguments (precision spec, Fix spec or "", fp32 scale, block sizes or
+    0 = autotune), validated. torch.compile runs this once while tracing and keeps its result as constants,
+    so that Dynamo never traces the Precision and Fix objects."""
+    plan = plan_call(torch.empty((1, 1, 1, head_dim), dtype=dtype, device="meta"), causal, precision, fix,
+                     block_m, block_n, scale)
+    blocks = (plan.block_m, plan.block_n) if (plan.tiles_given or INTERPRET) else (0, 0)
+    for size in blocks if blocks[0] else ():
+        if size < 16 or size & (size - 1) or (on_gpu and size > 128):
+            raise ValueError(f"block_m, block_n and precision.tile must be powers of two >= 16 (<= 128 on a "
+                             f"GPU), got {blocks}; e.g. precision='paper:tile=64', or backend='emulated'")
+    fix = as_fix(fix)
+    options = (plan.precision.spec, "" if fix is None else fix.spec, plan.scale, *blocks)
+    _resolve(options[0], options[1], dtype, head_dim, causal, *options[2:])  # the output point must fit
+    return options
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    fix: Fix | float | bool | str | None = None, precision: Precision | str = "fa2",
-                    seed: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                    return_stats: bool = False, return_lse: bool = False):
-    """FlashAttention-2 (Triton) with `precision`'s rounding points and an optional `fix`; autograd backward.
+                    scale: float | None = None, fix: Fix | float | bool | str | None = None,
+                    precision: Precision | str = "fa2", seed: int | None = None, block_m: int | None = None,
+                    block_n: int | None = None, return_stats: bool = False, return_lse: bool = False):
+    """FlashAttention-2 (Triton) with `precision`'s rounding points and an optional `fix`; autograd backward;
+    torch.compile traces it without a graph break (module docstring).
 
-    q, k, v: (batch, heads, seq, head_dim) bf16/fp16/fp32 on a CUDA device, or on CPU under
-    TRITON_INTERPRET=1; head_dim 16..128. precision: a Precision or short string (the output point must fit
+    q: (B, H, Nq, D), k, v: (B, H_kv, Nk, D), H a multiple of H_kv; bf16/fp16/fp32 on a CUDA device, or on
+    CPU under TRITON_INTERPRET=1; D 16..256; any strides with a contiguous head dim. causal: bottom-right
+    aligned (query i sees keys j <= i + Nk - Nq; a row that sees none gets o = 0). scale: softmax scale
+    (default 1/sqrt(D); rounded to fp32). precision: a Precision or short string (the output point must fit
     in q's dtype; scores round to nearest). fix: a Fix (or True, or a beta). seed: stochastic-rounding seed
     (default: drawn from torch's generator). block_m/block_n: fixed tile sizes (powers of two >= 16, <= 128
-    on a GPU; default: Precision.tile, else 64 under the interpreter, else autotuned). Returns o; with
-    return_lse also lse (fp32); with return_stats also the forward's AttentionStats, in that order.
+    on a GPU; default: Precision.tile, else 64 under the interpreter, else autotuned). Returns o (laid out
+    like q); with return_lse also lse (fp32, (B, H, Nq)); with return_stats also the forward's
+    AttentionStats, in that order.
     """
     check_qkv(q, k, v, head_dims=HEAD_DIMS, dtypes=DTYPES)
     if not q.is_cuda and not INTERPRET:
         raise ValueError("flash_attention needs CUDA tensors, or TRITON_INTERPRET=1 set before lowprec is "
                          "imported to run the kernels on CPU (e.g. TRITON_INTERPRET=1 python ...)")
-    plan = plan_call(q, causal, precision, fix, block_m, block_n)
-    prec, dtype = plan.precision, q.dtype
-    if not fits(prec.output.resolve(dtype), dtype):
-        raise ValueError(f"precision.output ({prec.output}) must fit in q's dtype {dtype} for the triton "
-                         "backend (it stores O in q's dtype); use backend='emulated' for wider outputs")
-    blocks = (plan.block_m, plan.block_n) if (plan.tiles_given or INTERPRET) else None
-    for size in blocks or ():
-        if size < 16 or size & (size - 1) or (q.is_cuda and size > 128):
-            raise ValueError(f"block_m, block_n and precision.tile must be powers of two >= 16 (<= 128 on a "
-                             f"GPU), got {blocks}; e.g. precision='paper:tile=64', or backend='emulated'")
-    if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,))) if prec.stochastic() else 0
-    codes = _codes(prec, dtype)
-    p_fp32 = plan.pv_dtype == torch.float32 and dtype != torch.float32
-    native_p = not p_fp32 and codes["weights"] == {torch.bfloat16: CAST_BF16, torch.float16: CAST_FP16,
-                                                   torch.float32: NONE}[dtype]
-    run = _Run(causal, plan.scale, codes, p_fp32, native_p, plan.fix, plan.tol, blocks, int(seed),
-               return_stats)
-    o, lse = _Flash.apply(q.contiguous(), k.contiguous(), v.contiguous(), run)
-    extra = ([lse] if return_lse else []) + ([run.stats] if return_stats else [])
+    if seed is not None and not (type(seed) is int and 0 <= seed <= INT32_MAX):
+        raise ValueError(f"seed must be None or an int in [0, 2**31), got {seed!r}")
+    precision_spec, fix_spec, scale, block_m, block_n = _op_options(
+        q.dtype, q.shape[-1], q.is_cuda, causal, scale, fix, precision, block_m, block_n)
+    seed = -1 if seed is None else seed
+    o, lse, stats = torch.ops.lowprec.flash_forward(q, k, v, causal, scale, precision_spec, fix_spec, seed,
+                                                    block_m, block_n, return_stats)
+    extra = ([lse] if return_lse else []) + ([AttentionStats(*stats.unbind(0))] if return_stats else [])
     return (o, *extra) if extra else o
 
 
 # ---------------------------------------------------------------------------------- ahead-of-time compile
 
 
-def compile_for_gpu(arch: int = 90, head_dim: int = 128) -> dict[str, int]:
-    """Compile the kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton): the bf16 fa2 forward,
-    the forward with the Fix and counters, the fp32 forward, dK/dV and dQ, at their first autotune configs.
-    Returns each kernel's shared memory in bytes. Needs compiled (not interpreted) kernels: import this module
-    with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
+def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
+    """Registers per thread and spill bytes (stores + loads) that ptxas reports for `ptx`."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
+    text = log.stdout + log.stderr
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
+    return {"registers": int(re.search(r"Used (\d+) registers", text)[1]), "spills": spills}
+
+
+def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
+                    every_config: bool = True) -> dict[str, dict[str, int]]:
+    """Compile the kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton), for each head dim:
+    the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
+    the first), and the variants at the first kept config: the forward with the Fix and counters, with
+    rounded-weight normalisation (NORM), in fp32. Pointers and strides are taken 16-aligned, as the runtime
+    specialises them. Returns, per build "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared
+    memory in bytes, registers per thread and spill bytes. Needs compiled (not interpreted) kernels: import
+    this module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
-    pointers = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
-    scalars = {"N": "i32", "BH": "i32", "seed": "i32", "LSE": "*fp32", "DELTA": "*fp32", "STATS": "*i32",
-               "fix": ("fp32",) * 4}
-    base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False)
+    pointers = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ", "LSE", "DELTA", "STATS"}
+    strides = ("sq", "sk", "sv", "so", "sdo", "sdk", "sdv", "sdq")
+    scalars = {"N_Q": "i32", "N_K": "i32", "H": "i32", "GROUP": "i32", "BH": "i32", "seed": "i32",
+               "LSE": "*fp32", "DELTA": "*fp32", "STATS": "*i32", "fix": ("fp32",) * 4}
+    scalars |= {name: ("i32",) * 3 for name in strides}
     fa2 = Precision.fa2()
-    fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True,
-               CODES=tuple(_codes(fa2, torch.bfloat16).values()))
-    builds = {  # name: (kernel, constexprs, input dtype)
-        "forward": (_fwd_tuned, fwd, "bf16"),
-        "forward+fix": (_fwd_tuned, dict(fwd, FIX=1, WITH_STATS=True), "bf16"),
-        "forward fp32": (_fwd_tuned, dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())),
-                         "fp32"),
-        "dkdv": (_dkdv_tuned, dict(base, C_SCORES=NONE), "bf16"),
-        "dq": (_dq_tuned, dict(base, C_SCORES=NONE), "bf16"),
-    }
-    shared = {}
-    for name, (tuned, constexprs, dtype) in builds.items():
-        config = tuned.configs[0]
-        constexprs = dict(constexprs, **config.kwargs)
-        signature = {arg: "constexpr" if arg in constexprs else f"*{dtype}" if arg in pointers
-                     else scalars.get(arg, "fp32") for arg in tuned.fn.arg_names}
-        kernel = triton.compile(ASTSource(tuned.fn, signature, constexprs), target=target,
-                                options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-        shared[name] = kernel.metadata.shared
-    return shared
+    usage = {}
+    for head_dim in head_dims:
+        # GROUP = 1 (multi-head attention) is a constant, as the runtime specialises an int argument of 1
+        base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False, GROUP=1)
+        fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True, NORM=0,
+                   CODES=tuple(_codes(fa2, torch.bfloat16).values()))
+        backward = dict(base, C_SCORES=NONE)
+        builds = [  # (name, kernel, rows, constexprs, input dtype, every kept config)
+            ("forward", _fwd_tuned, "BLOCK_M", fwd, "bf16", every_config),
+            ("dkdv", _dkdv_tuned, "BLOCK_N", backward, "bf16", every_config),
+            ("dq", _dq_tuned, "BLOCK_M", backward, "bf16", every_config),
+            ("dkdv gqa", _dkdv_tuned, "BLOCK_N", {k: v for k, v in backward.items() if k != "GROUP"}, "bf16",
+             False),
+            ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
+            ("forward consistent", _fwd_tuned, "BLOCK_M", dict(fwd, NORM=1), "bf16", False),
+            ("forward fp32", _fwd_tuned, "BLOCK_M",
+             dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())), "fp32", False),
+        ]
+        for name, tuned, rows, constexprs, dtype, every in builds:
+            kernel = {"forward": "fwd"}.get(name.split()[0].split("+")[0], name.split()[0])
+            configs = _kept_configs(tuned.configs, {}, kernel=kernel, rows=rows, **constexprs)
+            args = tuned.fn.arg_names
+            aligned = [(args.index(a),) for a in pointers if a in args]
+            aligned += [(args.index(a), i) for a in strides if a in args for i in range(3)]
+            attrs = {path: [["tt.divisibility", 16]] for path in aligned}
+            for config in configs if every else configs[:1]:
+                full = dict(constexprs, **config.kwargs)
+                pointer = f"*{dtype}"
+                signature = {arg: "constexpr" if arg in full else scalars.get(arg, pointer if arg in pointers
+                                                                               else "fp32") for arg in args}
+                options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+                source = ASTSource(tuned.fn, signature, full, attrs)
+                compiled = triton.compile(source, target=target, options=options)
+                key = f"{name} d{head_dim} {'x'.join(map(str, _config_key(config)))}"
+                usage[key] = {"shared": compiled.metadata.shared, **_ptxas_usage(compiled.asm["ptx"], arch)}
+    return usage

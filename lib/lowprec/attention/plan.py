@@ -1,6 +1,7 @@
 """`plan_call`: one attention call's options, validated and resolved for q's dtype, shared by the emulator
 (emulated.py) and the Triton kernels (flash.py), so that both read the same precision, Fix numbers, tie
-window, tiles and scale."""
+window, tiles and scale. Plain Python besides the tensors' attributes (no torch op), so torch.compile traces
+it without a graph break."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.attention.fix import AttentionStats, Fix, FixParams, as_fix
+from lowprec.attention.fix import AttentionStats, Fix, FixParams, as_fix, f32
 from lowprec.attention.precision import Precision, dot_dtype
 
 DEFAULT_BLOCK = 64
 
 
-def softmax_scale(head_dim: int) -> float:
-    """1/sqrt(head_dim) rounded to fp32 (the value the kernel receives)."""
-    return float(torch.tensor(1.0 / math.sqrt(head_dim), dtype=torch.float32))
+def softmax_scale(head_dim: int, scale: float | None = None) -> float:
+    """The softmax scale the kernel receives: `scale`, or 1/sqrt(head_dim), rounded to fp32. ValueError unless
+    it is a finite number > 0."""
+    if scale is None:
+        return f32(1.0 / math.sqrt(head_dim))
+    number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if not (number and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a finite number > 0, got {scale!r}")
+    return f32(float(scale))
 
 
 @dataclass
@@ -25,7 +32,7 @@ class CallPlan:
     """What the forward and backward of one call need besides the tensors."""
 
     dtype: torch.dtype         # the input dtype ("input" rounding points resolve to it)
-    causal: bool
+    causal: bool               # bottom-right aligned: query i sees keys j <= i + Nk - Nq
     precision: Precision
     fix: FixParams | None      # the Fix resolved for P̄'s format, or None
     tol: float                 # near-tie window of the counters: the Fix's tol, or the default Fix's
@@ -38,13 +45,16 @@ class CallPlan:
 
 
 def plan_call(q: torch.Tensor, causal: bool, precision: Precision | str, fix: Fix | float | bool | str | None,
-              block_m: int | None = None, block_n: int | None = None) -> CallPlan:
+              block_m: int | None = None, block_n: int | None = None, scale: float | None = None) -> CallPlan:
     """Validate the options of a call on q (batch, heads, seq, head_dim) and resolve them for q's dtype.
-    block_m / block_n: None means precision.tile, else DEFAULT_BLOCK; any other value must be an int >= 1."""
+    block_m / block_n: None means precision.tile, else DEFAULT_BLOCK; any other value must be an int >= 1.
+    scale: None means 1/sqrt(head_dim); either way rounded to fp32."""
     precision = Precision.parse(precision)
     if precision.scores.mode != "nearest":
         raise ValueError("precision.scores must round to nearest (the backward recomputes S and must get the "
                          f"forward's values); got {precision.scores}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
     sizes = []
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is None:
@@ -56,5 +66,5 @@ def plan_call(q: torch.Tensor, causal: bool, precision: Precision | str, fix: Fi
     fp = None if (fix := as_fix(fix)) is None else fix.resolve(weights_fmt)
     tol = fp.tol if fp is not None else Fix().resolve(weights_fmt).tol
     tiles_given = block_m is not None or block_n is not None or precision.tile is not None
-    return CallPlan(q.dtype, causal, precision, fp, tol, *sizes, tiles_given, softmax_scale(q.shape[-1]),
-                    dot_dtype(precision, q.dtype))
+    return CallPlan(q.dtype, causal, precision, fp, tol, *sizes, tiles_given,
+                    softmax_scale(q.shape[-1], scale), dot_dtype(precision, q.dtype))

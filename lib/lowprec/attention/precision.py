@@ -6,17 +6,24 @@ brackets are the rounding points; each has one function below, and the Triton ke
 image at the same place (triton_rounding.py, `_round`, called from triton_kernels.py):
 
     s     = dot(q, k^T) * scale                       [scores]      round_scores
-    s     = -inf where masked (causal, beyond N)
+    s     = -inf where masked (causal: key j > i + Nk - Nq; beyond Nk)
     r     = rowmax(s);  shift = r, or the Fix rule                  fix_shift
-    m_new = max(m, shift);  alpha = exp(m - m_new)
-    p     = exp(s - m_new)
-    l     = l * alpha + rowsum(p)                     [rowsum]      round_rowsum
+    m_new = max(m, shift);  m_use = 0 where m_new == -inf, else m_new   (a row that has seen no key yet)
+    alpha = exp(m - m_use)
+    p     = exp(s - m_use)
+    l     = l * alpha + rowsum(p)                     [rowsum]      round_rowsum   (norm="exact")
     p_lp  = round(p)                                  [weights]     round_weights (the P̄ entering P̄V)
+    l     = l * alpha + rowsum(p_lp)                  [rowsum]      round_rowsum   (norm="rounded")
     pv    = dot(p_lp, v)                              [product]     round_product
     acc   = acc * alpha + pv                          [accumulator] round_accumulator
     m     = m_new
-    o     = acc / l                                   [output]      round_output (stored in q's dtype)
-    lse   = m + log(l)
+    o     = acc / l, or 0 where l == 0                [output]      round_output (stored in q's dtype)
+    lse   = m + log(l), or +inf where l == 0 (a row that sees no key: FlashAttention-2's convention)
+
+`norm` says which weights the row sum l adds up: "exact" (production kernels) sums the fp32 P before the
+weights rounding, so O = sum(P̄ v) / sum(P) normalises the rounded weights by the sum of the unrounded ones
+(the mismatch biases O when P̄ rounds up, e.g. near ties rounding to 1.0); "rounded" sums the P̄ that enter
+the P̄V dot, so O = sum(P̄ v) / sum(P̄) is a weighted mean of V again.
 
 Backward, from the saved o and lse. It has no rounding points of its own: P and dS are cast to the input
 dtype before their dots, as in FlashAttention-2.
@@ -35,11 +42,13 @@ points; the book's "placement" and the code's are the same thing):
   Precision.paper() the authors' PyTorch reference (github ucker/why-low-precision-training-fails): S, P̄,
                     l, the P̄V result, the running O and the output all in the input dtype; 512 x 512 tiles.
   Precision.fp32()  no rounding anywhere (the high-precision forward).
+  Precision.consistent()  fa2 with norm="rounded": l summed from the rounded weights P̄.
 
 Short strings (CLIs, configs): "<placement>[:<point>=<spec>,...]", spec "<format>[@<mode>]", format one of
 lowprec.formats.FORMATS, "eXmY" (e.g. e8m3: bf16's range with 3 significand bits), "input" or "none";
-also "tile=<int>|none". Examples: "fa2", "paper", "fa2:weights=e8m3", "fa2:weights=bf16@stochastic",
-"paper:tile=none", "fa2:weights=e8m2@ones". `p.spec` is the shortest such string for p
+also "tile=<int>|none" and "norm=exact|rounded". Examples: "fa2", "paper", "fa2:weights=e8m3",
+"fa2:weights=bf16@stochastic", "paper:tile=none", "fa2:weights=e8m2@ones", "consistent"
+(= "fa2:norm=rounded"). `p.spec` is the shortest such string for p
 (`Precision.parse(p.spec) == p`) and `repr(p)` shows it.
 
 The dynamic maximum (`Fix`) and the per-row counters (`AttentionStats`) live in fix.py.
@@ -56,6 +65,7 @@ from lowprec.formats import FORMATS, Format, round_to
 
 POINTS = ("scores", "weights", "rowsum", "product", "accumulator", "output")
 ROUNDING_MODES = ("nearest", "stochastic", "ones")
+NORMS = ("exact", "rounded")  # what the row sum l adds up: the fp32 P, or the rounded P̄ (module docstring)
 INPUT = "input"
 _DTYPE_FORMATS = {torch.bfloat16: FORMATS["bf16"], torch.float16: FORMATS["fp16"]}
 
@@ -126,8 +136,8 @@ def _as_rounding(value: Rounding | str | Format | None) -> Rounding:
 @dataclass(frozen=True)
 class Precision:
     """The rounding applied at each point of the forward pass (module docstring); `tile` fixes the tile
-    size (None: the caller's block sizes). Points take a Rounding, a spec string ("bf16@stochastic") or a
-    Format."""
+    size (None: the caller's block sizes); `norm` whether l sums P ("exact") or P̄ ("rounded"). Points take a
+    Rounding, a spec string ("bf16@stochastic") or a Format."""
 
     scores: Rounding = field(default_factory=Rounding)
     weights: Rounding = field(default_factory=Rounding)
@@ -136,6 +146,7 @@ class Precision:
     accumulator: Rounding = field(default_factory=Rounding)
     output: Rounding = field(default_factory=Rounding)
     tile: int | None = None
+    norm: str = "exact"
 
     def __post_init__(self) -> None:
         for name in POINTS:
@@ -147,6 +158,8 @@ class Precision:
                                  f"(e.g. weights='e8m3@ones'), got {name}={rounding}")
         if self.tile is not None and not (isinstance(self.tile, int) and self.tile >= 16):
             raise ValueError(f"tile must be None or an int >= 16, got {self.tile!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
 
     @classmethod
     def fa2(cls) -> Precision:
@@ -159,6 +172,10 @@ class Precision:
     @classmethod
     def fp32(cls) -> Precision:
         return cls()
+
+    @classmethod
+    def consistent(cls) -> Precision:
+        return replace(cls.fa2(), norm="rounded")
 
     @classmethod
     def parse(cls, spec: str | Precision) -> Precision:
@@ -176,12 +193,14 @@ class Precision:
         changes: dict[str, object] = {}
         for item in filter(None, overrides.split(",")):
             key, eq, value = item.partition("=")
-            if not eq or key not in (*POINTS, "tile"):
+            if not eq or key not in (*POINTS, "tile", "norm"):
                 raise ValueError(
-                    f"precision override must be <point>=<spec> with point one of {POINTS} or "
-                    f"tile=<int>|none, got {item!r} (in {spec!r})"
+                    f"precision override must be <point>=<spec> with point one of {POINTS}, "
+                    f"tile=<int>|none or norm={'|'.join(NORMS)}, got {item!r} (in {spec!r})"
                 )
-            if key == "tile":
+            if key == "norm":
+                changes[key] = value
+            elif key == "tile":
                 if not (value == "none" or value.isdigit()):
                     raise ValueError(f"precision tile must be an int or 'none', got {value!r} (in {spec!r})")
                 changes[key] = None if value == "none" else int(value)
@@ -199,6 +218,8 @@ class Precision:
                      if getattr(self, point) != getattr(placement, point)]
             if self.tile != placement.tile:
                 diffs.append(f"tile={self.tile or 'none'}")
+            if self.norm != placement.norm:
+                diffs.append(f"norm={self.norm}")
             candidates.append(name + (":" + ",".join(diffs) if diffs else ""))
         return min(candidates, key=len)
 
@@ -209,7 +230,8 @@ class Precision:
         return any(getattr(self, name).mode == "stochastic" for name in POINTS)
 
 
-PLACEMENTS = {"fa2": Precision.fa2, "paper": Precision.paper, "fp32": Precision.fp32}
+PLACEMENTS = {"fa2": Precision.fa2, "paper": Precision.paper, "fp32": Precision.fp32,
+              "consistent": Precision.consistent}
 
 
 def fits(fmt: Format | None, dtype: torch.dtype) -> bool:
@@ -275,6 +297,7 @@ def round_output(o: torch.Tensor, p: Precision, dtype: torch.dtype, gen: Generat
 
 __all__ = [
     "INPUT",
+    "NORMS",
     "PLACEMENTS",
     "POINTS",
     "Precision",

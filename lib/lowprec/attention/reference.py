@@ -1,7 +1,12 @@
 """Input checks shared by every backend, and the float64 reference attention.
 
-Tensors are (batch, heads, seq, head_dim); q, k and v have one shape, one dtype and one device.
-`causal=True` lets query i see keys 0..i (top-left aligned, the GPT convention).
+Tensors are (batch, heads, seq, head_dim). q is (B, H, Nq, D); k and v are (B, H_kv, Nk, D) with H a
+multiple of H_kv (grouped-query attention: query head h reads key/value head h // (H // H_kv); H_kv = 1 is
+multi-query attention) and any Nk >= 1. All three share one dtype and one device.
+`causal=True` aligns the mask bottom-right, as FlashAttention-2 does: query i sees keys j <= i + Nk - Nq (for
+Nq == Nk: keys 0..i, the GPT convention; for Nq < Nk the queries are the last Nq positions of the keys'
+sequence). With Nq > Nk the first Nq - Nk queries see no key: their output is 0 (and their lse +inf, so that
+a flash backward gives them zero gradients), as in FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ def check_qkv(
     head_dims: tuple[int, int] = (1, 1 << 16),
     dtypes: tuple[torch.dtype, ...] = DTYPES,
 ) -> None:
-    """Raise ValueError naming the argument if q, k, v are not matching (batch, heads, seq, head_dim)
-    tensors."""
+    """Raise ValueError naming the argument if q, k, v are not (B, H, Nq, D), (B, H_kv, Nk, D),
+    (B, H_kv, Nk, D) tensors with H a multiple of H_kv (module docstring)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -29,10 +34,15 @@ def check_qkv(
             raise ValueError(
                 f"{name} must have rank 4 (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
             )
-    if not (q.shape == k.shape == v.shape):
-        raise ValueError(
-            f"q, k and v must have the same shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size (dim 0), got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim (dim 3), got {q.shape[3]} and {k.shape[3]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q's heads (dim 1, {q.shape[1]}) must be a multiple of k's and v's heads "
+                         f"({k.shape[1]}): grouped-query attention")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in dtypes:
@@ -45,36 +55,51 @@ def check_qkv(
             f"head_dim (q.shape[-1]) must be in [{lo}, {hi}] for this backend, got {q.shape[-1]}"
         )
     if q.shape[2] < 1:
-        raise ValueError("seq (q.shape[2]) must be at least 1")
+        raise ValueError("q's seq (q.shape[2]) must be at least 1")
+    if k.shape[2] < 1:
+        raise ValueError("k's and v's seq (k.shape[2]) must be at least 1")
 
 
-def causal_mask(n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean (n, n) mask, True where key j is visible to query i (j <= i)."""
-    idx = torch.arange(n, device=device)
-    return idx[None, :] <= idx[:, None]
+def causal_mask(n_q: int, device: torch.device | str | None = None, n_k: int | None = None) -> torch.Tensor:
+    """Boolean (n_q, n_k) mask (n_k defaults to n_q), True where key j is visible to query i:
+    j <= i + n_k - n_q (bottom-right aligned, module docstring)."""
+    n_k = n_q if n_k is None else n_k
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    return j <= i + (n_k - n_q)
 
 
-def scaled_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q k^T / sqrt(head_dim) in q's dtype, unmasked (B, H, N, N): the scores of every plain attention."""
-    return (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+def expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v (B, H_kv, N, D) with each head repeated for its group of `heads` // H_kv query heads."""
+    return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
+
+
+def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q k^T * scale (default 1/sqrt(head_dim)) in q's dtype, unmasked (B, H, Nq, Nk), k's heads expanded to
+    q's: the scores of every plain attention."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return (q @ expand_kv(k, q.shape[1]).transpose(-1, -2)) * scale
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention in float64: returns (o, lse), o (B, H, N, D) and lse = logsumexp of scaled scores
-    (B, H, N).
+    """Softmax attention in float64: returns (o, lse), o (B, H, Nq, D) and lse = logsumexp of scaled scores
+    (B, H, Nq); scale defaults to 1/sqrt(head_dim). Rows that see no key (causal, Nq > Nk) give o = 0 and
+    lse = +inf.
 
     The weights are exp(s - max) / sum(exp(s - max)), exact for any finite scores: normalising by
     exp(s - lse) instead loses the sum where lse = max + log(sum) rounds to max (ties at |s| ~ 1e16).
     Differentiable (autograd through float64 ops), so it also gives reference gradients.
     """
     check_qkv(q, k, v)
-    s = scaled_scores(q.double(), k.double())
+    s = scaled_scores(q.double(), k.double(), scale)
     if causal:
-        s = s.masked_fill(~causal_mask(q.shape[2], q.device), float("-inf"))
-    m = s.amax(dim=-1, keepdim=True).detach()  # a shift: softmax and lse do not depend on it
+        s = s.masked_fill(~causal_mask(q.shape[2], q.device, k.shape[2]), float("-inf"))
+    seen = (s > float("-inf")).any(dim=-1, keepdim=True)  # rows that see at least one key
+    m = torch.where(seen, s.amax(dim=-1, keepdim=True), 0.0).detach()  # a shift: o, lse do not depend on it
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
-    o = (e / total) @ v.double()
-    return o, (m + torch.log(total)).squeeze(-1)
+    o = (e / torch.where(seen, total, 1.0)) @ expand_kv(v.double(), q.shape[1])
+    lse = torch.where(seen, m + torch.log(torch.where(seen, total, 1.0)), float("inf"))
+    return o, lse.squeeze(-1)

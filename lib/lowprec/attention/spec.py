@@ -47,14 +47,14 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    Backend("reference"),
-    Backend("math", softcap=True),
-    Backend("sdpa", options={"sdpa_backend": str}),
+    Backend("reference", call_keywords=("scale",)),
+    Backend("math", softcap=True, call_keywords=("scale",)),
+    Backend("sdpa", options={"sdpa_backend": str}, call_keywords=("scale",)),
     Backend("emulated", precision=True,
             options={"block_m": int, "block_n": int, "delta": str, "o_for_delta": str},
-            call_keywords=("generator", "return_stats", "return_lse")),
+            call_keywords=("scale", "generator", "return_stats", "return_lse")),
     Backend("triton", precision=True, options={"block_m": int, "block_n": int, "seed": int},
-            call_keywords=("return_stats", "return_lse")),
+            call_keywords=("scale", "return_stats", "return_lse")),
 )}
 
 

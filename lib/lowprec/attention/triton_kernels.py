@@ -18,17 +18,23 @@ Design
   tiles in increasing order): dQ is its own loop, so there are no atomics and the result is deterministic;
   dK, dV and dQ accumulate in fp32 and are stored in the input dtype. P and dS are cast to the input dtype
   before their dots (FlashAttention-2); fp32 inputs use IEEE fp32 dots (no TF32).
-- Any sequence length (rows/columns beyond N are masked), head dims 16..128 (padded to a power of two,
-  BLOCK_D, with masked loads), bf16 / fp16 / fp32 inputs, causal or not. Each loop runs first over the tiles
-  that need no mask, then over those that do (MASK, a constexpr of the step functions).
+- Any sequence lengths Nq, Nk (rows/columns beyond them are masked), causal masks aligned bottom-right
+  (query i sees keys j <= i + Nk - Nq; a row that sees no key keeps m = -inf, l = 0 and stores o = 0,
+  lse = +inf, so its backward P is 0), grouped-query attention (query head h reads key/value head
+  h // GROUP; `_dkdv` runs per key/value head and sums its GROUP query heads in registers, no atomics and no
+  expanded copies), head dims 16..256 (padded to a power of two, BLOCK_D, with masked loads), bf16 / fp16 /
+  fp32 inputs, any (batch, head, seq) strides with a contiguous head dim (each tensor's strides are one
+  tuple argument; a row offset within a head is int32, a head's base int64). Each loop runs first over the
+  tiles that need no mask, then over those that do (MASK, a constexpr of the step functions).
 - Arithmetic: everything except loads, stores, casts and tl.dot operands is fp32; exp/log are natural
   (no exp2 with a folded log2(e), so that the emulator's op order stays the same on every device). The op
   order is the emulator's, op for op: under TRITON_INTERPRET=1 (with interpreter.py's patch) the kernels are
   bit-identical to emulated_attention, so any reordering here breaks tests/test_flash_kernel.py.
 - Cost of the Fix (tie="tile"): per score one compare that yields 1.0 / 0.0 and one fp32 add (the tie count),
   per row a few selects; the counters are computed and stored only when WITH_STATS.
-- The kernels do not specialise on N or B*H (do_not_specialize), so one compiled variant serves every sequence
-  length.
+- The kernels do not specialise on N_Q, N_K or B*H (do_not_specialize), so one compiled variant serves every
+  sequence length. NORM (Precision.norm: 0 "exact", 1 "rounded") moves the row-sum update after the weights
+  rounding, as precision.py's op order says.
 """
 
 from __future__ import annotations
@@ -57,30 +63,50 @@ from lowprec.attention.triton_rounding import (
 
 
 @triton.jit
-def _load(ptr, rows, offs_d, N, D: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Rows `rows` of a row-major (N, D) matrix, zero-padded to BLOCK_D columns: (len(rows), BLOCK_D), or
-    (BLOCK_D, len(rows)) when TRANSPOSE."""
+def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Rows `rows` (< n_rows, `stride` elements apart) of an (n_rows, D) matrix with unit column stride,
+    zero-padded to BLOCK_D columns: (len(rows), BLOCK_D), or (BLOCK_D, len(rows)) when TRANSPOSE."""
     if TRANSPOSE:
-        mask = (rows[None, :] < N) & (offs_d[:, None] < D)
-        x = tl.load(ptr + rows[None, :] * D + offs_d[:, None], mask=mask, other=0.0)
+        mask = (rows[None, :] < n_rows) & (offs_d[:, None] < D)
+        x = tl.load(ptr + rows[None, :] * stride + offs_d[:, None], mask=mask, other=0.0)
     else:
-        mask = (rows[:, None] < N) & (offs_d[None, :] < D)
-        x = tl.load(ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        mask = (rows[:, None] < n_rows) & (offs_d[None, :] < D)
+        x = tl.load(ptr + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
     return x
 
 
 @triton.jit
-def _scores(q, kt, offs_m, offs_n, N, scale, MASK: tl.constexpr, CAUSAL: tl.constexpr, C_SCORES: tl.constexpr,
-            IEEE: tl.constexpr):
-    """s = round_scores(dot(q, k^T) * scale), then -inf where masked (only in tiles that need a mask);
-    emulated.scores. (BLOCK_M, BLOCK_N) fp32."""
+def _head(b, h, strides):
+    """Element offset (int64) of head h of batch b for strides (batch, head, seq)."""
+    return b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[1]
+
+
+@triton.jit
+def _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+            C_SCORES: tl.constexpr, IEEE: tl.constexpr):
+    """s = round_scores(dot(q, k^T) * scale), then -inf where masked (keys >= N_K; causal: key j > query
+    i + offset, offset = N_K - N_Q) in tiles that need a mask; emulated.scores. (BLOCK_M, BLOCK_N) fp32."""
     s = _round(_dot(q, kt, None, IEEE) * scale, C_SCORES, 0, 0, offs_m[:, None])
     if MASK:
-        valid = offs_n[None, :] < N
+        valid = offs_n[None, :] < N_K
         if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + offset)
         s = tl.where(valid, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _key_range(m0, N_Q, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(full_end, hi) for the query block starting at row m0: key tiles below full_end need no mask (every
+    row sees every key), the tiles in [full_end, hi) need one, keys >= hi are seen by no row of the block."""
+    if CAUSAL:  # row i sees keys j <= i + N_K - N_Q
+        last = m0 + N_K - N_Q  # the last key the block's first row sees
+        full_end = tl.minimum(tl.maximum(last + 1, 0) // BLOCK_N * BLOCK_N, N_K // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(last + BLOCK_M, N_K)
+    else:
+        full_end = N_K // BLOCK_N * BLOCK_N
+        hi = N_K
+    return full_end, hi
 
 
 @triton.jit
@@ -97,18 +123,18 @@ def _top_two(s, best, second):
 
 
 @triton.jit
-def _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, counts, fix, seed, bh,
-              D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, m_i, l_i, acc, counts, fix,
+              seed, bh, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               FIX: tl.constexpr, WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr,
-              IEEE: tl.constexpr, CODES: tl.constexpr):
+              NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr):
     """One key/value tile of the forward pass (precision.py's op order, each rounding point a `_round`).
     Returns the updated (m_i, l_i, acc, counts)."""
     n_ones, n_ties, n_near, n_trig, n_fallback = counts  # (BLOCK_M,) int32 each
     tol = fix[1]  # fix = (beta, tol, min_gap, max_gap)
     # -- scores --
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _load(K, offs_n, offs_d, N, D, True)  # (BLOCK_D, BLOCK_N)
-    s = _scores(q, kt, offs_m, offs_n, N, scale, MASK, CAUSAL, CODES[SCORES], IEEE)  # (BLOCK_M, BLOCK_N)
+    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True)  # (BLOCK_D, BLOCK_N)
+    s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, CODES[SCORES], IEEE)
     r = tl.max(s, 1)  # (BLOCK_M,)
     # -- shift (Fix) --
     if FIX == 1:
@@ -122,22 +148,26 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, counts,
         shift = r
     # -- online softmax: rescale, P̄, row sum --
     m_new = tl.maximum(m_i, shift)  # (BLOCK_M,)
-    alpha = _exp(m_i - m_new, IEEE)  # (BLOCK_M,)
-    p = _exp(s - m_new[:, None], IEEE)  # (BLOCK_M, BLOCK_N)
-    row_idx = offs_m * N + start_n  # (BLOCK_M,) element index of the stochastic bits
-    l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
+    alpha = _exp(m_i - m_use, IEEE)  # (BLOCK_M,)
+    p = _exp(s - m_use[:, None], IEEE)  # (BLOCK_M, BLOCK_N)
+    row_idx = offs_m * N_K + start_n  # (BLOCK_M,) element index of the stochastic bits
+    if NORM == 0:  # "exact": l sums the fp32 P
+        l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
     # -- weights: P̄ as it enters the dot --
-    v = _load(V, offs_n, offs_d, N, D, False)  # (BLOCK_N, BLOCK_D)
+    v = _load(V, offs_n, offs_d, N_K, sv_n, D, False)  # (BLOCK_N, BLOCK_D)
     if NATIVE_P:  # the weights rounding is the cast to V's dtype: do it once
         p_dot = p.to(V.dtype.element_ty)
         p = p_dot.to(tl.float32)
     else:
-        p = _round(p, CODES[WEIGHTS], seed, bh * 8 + WEIGHTS, offs_m[:, None] * N + offs_n[None, :])
+        p = _round(p, CODES[WEIGHTS], seed, bh * 8 + WEIGHTS, offs_m[:, None] * N_K + offs_n[None, :])
         if P_FP32:
             p_dot = p
             v = v.to(tl.float32)
         else:
             p_dot = p.to(V.dtype.element_ty)
+    if NORM == 1:  # "rounded": l sums the P̄ that enter the dot
+        l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
     # -- P̄V and the running output --
     if (CODES[PRODUCT] == 0) and (CODES[ACCUMULATOR] == 0):
         acc = _dot(p_dot, v, acc * alpha[:, None], IEEE or P_FP32)  # (BLOCK_M, BLOCK_D)
@@ -154,27 +184,26 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, counts,
     return m_new, l_i, acc, (n_ones, n_ties, n_near, n_trig, n_fallback)
 
 
-@triton.jit(do_not_specialize=["N", "BH", "seed"])
-def _fwd(Q, K, V, O, LSE, STATS, N, BH, scale, fix, seed, D: tl.constexpr, BLOCK_D: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, FIX: tl.constexpr,
-         WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr, IEEE: tl.constexpr,
-         CODES: tl.constexpr):
-    """Forward of one query block: key tiles without masks first, then the tiles that need one."""
+@triton.jit(do_not_specialize=["N_Q", "N_K", "BH", "seed"])
+def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, fix, seed, D: tl.constexpr,
+         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+         FIX: tl.constexpr, WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr,
+         NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr):
+    """Forward of one query block of one query head: key tiles without masks first, then the tiles that need
+    one. sq, sk, sv, so: (batch, head, seq) strides; the head dim is contiguous."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
     if bh >= BH:  # the fold's last row of programs may overshoot
         return
-    base = bh.to(tl.int64) * N * D
-    Q, K, V, O = Q + base, K + base, V + base, O + base
+    b = bh // H
+    h = bh % H
+    Q, O = Q + _head(b, h, sq), O + _head(b, h, so)
+    K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)  # the group's key/value head
+    offset = N_K - N_Q  # causal: row i sees keys j <= i + offset
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    q = _load(Q, offs_m, offs_d, N, D, False)  # (BLOCK_M, BLOCK_D)
-    if CAUSAL:  # tiles wholly left of the block's first query need no mask
-        full_end = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
-    else:
-        full_end = N // BLOCK_N * BLOCK_N
-        hi = N
+    q = _load(Q, offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
+    full_end, hi = _key_range(pid_m * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (BLOCK_M,) running max (the shift)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # (BLOCK_M,) running row sum
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # (BLOCK_M, BLOCK_D) running output
@@ -185,33 +214,36 @@ def _fwd(Q, K, V, O, LSE, STATS, N, BH, scale, fix, seed, D: tl.constexpr, BLOCK
         second = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (BLOCK_M,)
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load(K, offs_n, offs_d, N, D, True)  # (BLOCK_D, BLOCK_N)
-            s = _scores(q, kt, offs_m, offs_n, N, scale, True, CAUSAL, CODES[SCORES], IEEE)
+            kt = _load(K, offs_n, offs_d, N_K, sk[2], D, True)  # (BLOCK_D, BLOCK_N)
+            s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, True, CAUSAL, CODES[SCORES], IEEE)
             best, second = _top_two(s, best, second)
         ties = (second >= best - fix[1]) & (best > float("-inf"))
         shift, triggered, fallback = _fix_shift(best, ties, fix)
         m_i = tl.where(triggered, shift, float("-inf"))
         counts = (zero, zero, zero, triggered.to(tl.int32), fallback.to(tl.int32))
     for start_n in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc, counts = _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, counts,
-                                          fix, seed, bh, D, BLOCK_N, False, CAUSAL, FIX, WITH_STATS, P_FP32,
-                                          NATIVE_P, IEEE, CODES)
+        m_i, l_i, acc, counts = _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
+                                          m_i, l_i, acc, counts, fix, seed, bh, D, BLOCK_N, False, CAUSAL,
+                                          FIX, WITH_STATS, P_FP32, NATIVE_P, NORM, IEEE, CODES)
     for start_n in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc, counts = _fwd_step(q, K, V, start_n, offs_m, offs_d, N, scale, m_i, l_i, acc, counts,
-                                          fix, seed, bh, D, BLOCK_N, True, CAUSAL, FIX, WITH_STATS, P_FP32,
-                                          NATIVE_P, IEEE, CODES)
-    # -- output and lse --
+        m_i, l_i, acc, counts = _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
+                                          m_i, l_i, acc, counts, fix, seed, bh, D, BLOCK_N, True, CAUSAL, FIX,
+                                          WITH_STATS, P_FP32, NATIVE_P, NORM, IEEE, CODES)
+    # -- output and lse (a row that saw no key: o = 0, lse = +inf) --
+    empty = l_i == 0.0  # (BLOCK_M,)
+    l_safe = tl.where(empty, 1.0, l_i)
     out_idx = offs_m[:, None] * BLOCK_D + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
-    o = tl.div_rn(acc, tl.broadcast_to(l_i[:, None], (BLOCK_M, BLOCK_D)))  # IEEE division, also on GPU
+    o = tl.div_rn(acc, tl.broadcast_to(l_safe[:, None], (BLOCK_M, BLOCK_D)))  # IEEE division, also on GPU
     o = _round(o, CODES[OUTPUT], seed, bh * 8 + OUTPUT, out_idx)
-    row_ok = offs_m < N
-    tl.store(O + offs_m[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty),
+    row_ok = offs_m < N_Q
+    tl.store(O + offs_m[:, None] * so[2] + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(LSE + bh.to(tl.int64) * N + offs_m, m_i + _log(l_i, IEEE), mask=row_ok)
-    # -- counters: one (batch*head, N) plane each, in STAT_NAMES order --
+    lse = tl.where(empty, float("inf"), m_i + _log(l_safe, IEEE))
+    tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
+    # -- counters: one (batch*head, N_Q) plane each, in STAT_NAMES order --
     if WITH_STATS:
-        stats = STATS + bh.to(tl.int64) * N + offs_m
-        plane = BH.to(tl.int64) * N  # B*H*N per counter
+        stats = STATS + bh.to(tl.int64) * N_Q + offs_m
+        plane = BH.to(tl.int64) * N_Q  # B*H*N_Q per counter
         for i in tl.static_range(5):
             tl.store(stats + i * plane, counts[i], mask=row_ok)
 
@@ -220,36 +252,37 @@ def _fwd(Q, K, V, O, LSE, STATS, N, BH, scale, fix, seed, D: tl.constexpr, BLOCK
 
 
 @triton.jit(do_not_specialize=["N", "BH"])
-def _delta(O, DO, DELTA, N, BH, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _delta(O, DO, DELTA, so, sdo, N, H, BH, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), fp32 products and sum, O as stored."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
     if bh >= BH:  # the fold's last row of programs may overshoot
         return
-    base = bh.to(tl.int64) * N * D
+    b = bh // H
+    h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load(O + base, offs_m, offs_d, N, D, False).to(tl.float32)  # (BLOCK_M, BLOCK_D)
-    do = _load(DO + base, offs_m, offs_d, N, D, False).to(tl.float32)  # (BLOCK_M, BLOCK_D)
+    o = _load(O + _head(b, h, so), offs_m, offs_d, N, so[2], D, False).to(tl.float32)  # (BLOCK_M, BLOCK_D)
+    do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N, sdo[2], D, False).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
 
 
 @triton.jit
-def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N, scale, D: tl.constexpr,
-               BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-               C_SCORES: tl.constexpr):
+def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K, offset, sq_n, sdo_n, scale,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """One query block's contribution to a key block's dK, dV (computed transposed: keys x queries)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    qt = _load(Q, offs_m, offs_d, N, D, True)  # (BLOCK_D, BLOCK_M)
-    do = _load(DO, offs_m, offs_d, N, D, False)  # (BLOCK_M, BLOCK_D)
-    lse = tl.load(LSE + offs_m, mask=offs_m < N, other=0.0)  # (BLOCK_M,)
-    delta = tl.load(DELTA + offs_m, mask=offs_m < N, other=0.0)  # (BLOCK_M,)
+    qt = _load(Q, offs_m, offs_d, N_Q, sq_n, D, True)  # (BLOCK_D, BLOCK_M)
+    do = _load(DO, offs_m, offs_d, N_Q, sdo_n, D, False)  # (BLOCK_M, BLOCK_D)
+    lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
+    delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
     # -- scores, transposed --
     st = _round(_dot(k, qt, None, IEEE) * scale, C_SCORES, 0, 0, offs_n[:, None])  # (BLOCK_N, BLOCK_M)
     if MASK:
-        valid = (offs_m[None, :] < N) & (offs_n[:, None] < N)
+        valid = (offs_m[None, :] < N_Q) & (offs_n[:, None] < N_K)
         if CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :])
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + offset)
         st = tl.where(valid, st, float("-inf"))
     # -- P from the saved lse, then dV --
     pt = _exp(st - lse[None, :], IEEE)  # (BLOCK_N, BLOCK_M)
@@ -260,92 +293,99 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N, scal
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["N", "BH"])
-def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, N, BH, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-          C_SCORES: tl.constexpr):
-    """dK, dV of one key block: query blocks in increasing order (diagonal ones masked, then unmasked ones,
-    then the tail beyond the last whole block)."""
+@triton.jit(do_not_specialize=["N_Q", "N_K", "BH"])
+def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, H, GROUP, BH, scale,
+          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr):
+    """dK, dV of one key block of one key/value head (BH = batch x key/value heads): the GROUP query heads
+    that read it in increasing order, each over its query blocks in increasing order (diagonal ones masked,
+    then unmasked ones, then the tail beyond the last whole block)."""
     pid_n = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
+    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H_kv folded over the grid's y and z
     if bh >= BH:  # the fold's last row of programs may overshoot
         return
-    base = bh.to(tl.int64) * N * D
-    Q, K, V, DO, DK, DV = Q + base, K + base, V + base, DO + base, DK + base, DV + base
-    LSE, DELTA = LSE + bh.to(tl.int64) * N, DELTA + bh.to(tl.int64) * N
+    h_kv = H // GROUP
+    b = bh // h_kv
+    kvh = bh % h_kv
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    k = _load(K, offs_n, offs_d, N, D, False)  # (BLOCK_N, BLOCK_D)
-    v = _load(V, offs_n, offs_d, N, D, False)  # (BLOCK_N, BLOCK_D)
+    k = _load(K + _head(b, kvh, sk), offs_n, offs_d, N_K, sk[2], D, False)  # (BLOCK_N, BLOCK_D)
+    v = _load(V + _head(b, kvh, sv), offs_n, offs_d, N_K, sv[2], D, False)  # (BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    if CAUSAL:  # query blocks from the one holding this block's first key; unmasked once past its last key
-        lo = start_n // BLOCK_M * BLOCK_M
-        mid = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    offset = N_K - N_Q  # causal: row i sees keys j <= i + offset
+    if CAUSAL:  # query blocks from the one holding the first row that sees this block's first key; unmasked
+        # once every row sees its last key
+        lo = tl.maximum(start_n - offset, 0) // BLOCK_M * BLOCK_M
+        mid = (tl.maximum(start_n + BLOCK_N - 1 - offset, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     else:
         lo = 0
         mid = 0
-    end = tl.where(start_n + BLOCK_N <= N, N // BLOCK_M * BLOCK_M, mid)  # end of the unmasked blocks
-    for start_m in range(lo, tl.minimum(mid, N), BLOCK_M):
-        dk, dv = _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N, scale, D, BLOCK_M,
-                            True, CAUSAL, IEEE, C_SCORES)
-    for start_m in range(mid, end, BLOCK_M):
-        dk, dv = _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N, scale, D, BLOCK_M,
-                            False, CAUSAL, IEEE, C_SCORES)
-    for start_m in range(tl.maximum(mid, end), N, BLOCK_M):
-        dk, dv = _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N, scale, D, BLOCK_M,
-                            True, CAUSAL, IEEE, C_SCORES)
-    kv_mask = (offs_n[:, None] < N) & (offs_d[None, :] < D)
-    tl.store(DK + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + offs_n[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    end = tl.where(start_n + BLOCK_N <= N_K, N_Q // BLOCK_M * BLOCK_M, mid)  # end of the unmasked blocks
+    for g in range(0, GROUP):
+        h = kvh * GROUP + g
+        Qh, DOh = Q + _head(b, h, sq), DO + _head(b, h, sdo)
+        LSEh, DELTAh = LSE + (b * H + h).to(tl.int64) * N_Q, DELTA + (b * H + h).to(tl.int64) * N_Q
+        for start_m in range(lo, tl.minimum(mid, N_Q), BLOCK_M):
+            dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
+                                offset, sq[2], sdo[2], scale, D, BLOCK_M, True, CAUSAL, IEEE, C_SCORES)
+        for start_m in range(mid, end, BLOCK_M):
+            dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
+                                offset, sq[2], sdo[2], scale, D, BLOCK_M, False, CAUSAL, IEEE, C_SCORES)
+        for start_m in range(tl.maximum(mid, end), N_Q, BLOCK_M):
+            dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
+                                offset, sq[2], sdo[2], scale, D, BLOCK_M, True, CAUSAL, IEEE, C_SCORES)
+    kv_mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < D)
+    tl.store(DK + _head(b, kvh, sdk) + offs_n[:, None] * sdk[2] + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + _head(b, kvh, sdv) + offs_n[:, None] * sdv[2] + offs_d[None, :], dv.to(DV.dtype.element_ty),
+             mask=kv_mask)
 
 
 @triton.jit
-def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N, scale, D: tl.constexpr,
-             BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-             C_SCORES: tl.constexpr):
+def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+             IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """One key tile's contribution to a query block's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _load(K, offs_n, offs_d, N, D, True)  # (BLOCK_D, BLOCK_N)
+    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True)  # (BLOCK_D, BLOCK_N)
     # -- scores, P from the saved lse --
-    s = _scores(q, kt, offs_m, offs_n, N, scale, MASK, CAUSAL, C_SCORES, IEEE)  # (BLOCK_M, BLOCK_N)
+    s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, C_SCORES, IEEE)  # (BLOCK_M, BLOCK_N)
     p = _exp(s - lse[:, None], IEEE)  # (BLOCK_M, BLOCK_N)
     # -- dS = P (dP - delta), then dQ --
-    vt = _load(V, offs_n, offs_d, N, D, True)  # (BLOCK_D, BLOCK_N)
+    vt = _load(V, offs_n, offs_d, N_K, sv_n, D, True)  # (BLOCK_D, BLOCK_N)
     ds = p * (_dot(do, vt, None, IEEE) - delta[:, None])  # (BLOCK_M, BLOCK_N)
     return _dot(ds.to(q.dtype), tl.trans(kt), dq, IEEE)  # (BLOCK_M, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["N", "BH"])
-def _dq(Q, K, V, DO, LSE, DELTA, DQ, N, BH, scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-        C_SCORES: tl.constexpr):
-    """dQ of one query block: key tiles in increasing order, unmasked ones first (no atomics)."""
+@triton.jit(do_not_specialize=["N_Q", "N_K", "BH"])
+def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, BH, scale, D: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+        IEEE: tl.constexpr, C_SCORES: tl.constexpr):
+    """dQ of one query block of one query head: key tiles in increasing order, unmasked ones first (no
+    atomics)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
     if bh >= BH:  # the fold's last row of programs may overshoot
         return
-    base = bh.to(tl.int64) * N * D
-    Q, K, V, DO, DQ = Q + base, K + base, V + base, DO + base, DQ + base
+    b = bh // H
+    h = bh % H
+    K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)
+    offset = N_K - N_Q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    q = _load(Q, offs_m, offs_d, N, D, False)  # (BLOCK_M, BLOCK_D)
-    do = _load(DO, offs_m, offs_d, N, D, False)  # (BLOCK_M, BLOCK_D)
-    lse = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=offs_m < N, other=0.0)  # (BLOCK_M,)
-    delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=offs_m < N, other=0.0)  # (BLOCK_M,)
+    q = _load(Q + _head(b, h, sq), offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
+    do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N_Q, sdo[2], D, False)  # (BLOCK_M, BLOCK_D)
+    lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
+    delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:
-        full_end = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, N)
-    else:
-        full_end = N // BLOCK_N * BLOCK_N
-        hi = N
+    full_end, hi = _key_range(pid_m * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N, scale, D, BLOCK_N, False,
-                      CAUSAL, IEEE, C_SCORES)
+        dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
+                      D, BLOCK_N, False, CAUSAL, IEEE, C_SCORES)
     for start_n in range(full_end, hi, BLOCK_N):
-        dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N, scale, D, BLOCK_N, True,
-                      CAUSAL, IEEE, C_SCORES)
-    tl.store(DQ + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < N) & (offs_d[None, :] < D))
+        dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
+                      D, BLOCK_N, True, CAUSAL, IEEE, C_SCORES)
+    tl.store(DQ + _head(b, h, sdq) + offs_m[:, None] * sdq[2] + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < D))

@@ -1,16 +1,22 @@
 """`lowprec bench attention`: forward, backward and forward+backward TFLOP/s of the attention kernels.
 
 Implementations, bf16, all in one process: our Triton kernel (Fix off and on, autotuned), torch SDPA's flash
-and cuDNN backends (skipped, with the reason, where they cannot run). FLOPs are counted as FlashAttention
-does: forward 4·B·H·N²·D (two matmuls), backward 2.5x that (five matmuls, as FA2's benchmark counts),
-halved for causal. Total tokens per configuration are constant (B·N = --tokens, 16k by default, with
-H·D = 2048), as in the FlashAttention papers. Times are medians of triton.testing.do_bench on a GPU; with
---smoke on a CPU one tiny case runs once through Triton's interpreter, only to check the code path.
+and cuDNN backends (skipped, with the reason, where they cannot run), over N in {1k, 2k, 4k, 8k, 16k}, head
+dim in {64, 128, 256}, causal and not. FLOPs are counted as FlashAttention does: forward 4·B·H·N²·D (two
+matmuls), backward 2.5x that (five matmuls, as FA2's benchmark counts), halved for causal. Total tokens per
+configuration are constant (B·N = --tokens, 16k by default, with H·D = 2048), as in the FlashAttention
+papers. The implementations are interleaved: for each configuration and mode (fwd, bwd, fwd+bwd) --rounds
+rounds each time every implementation once (triton.testing.do_bench, median), and a row keeps the median
+over rounds, so clock and thermal drift hit every implementation alike. With --smoke on a CPU one tiny case
+runs once through Triton's interpreter, only to check the code path.
 
-Rows of our kernel record the autotuner's picks (`configs`); `fix_overhead` lists, per configuration, how much
-slower the Fix makes our kernel (time ratio - 1, fwd and fwd+bwd) and our speed relative to SDPA's flash.
+Rows hold `impl, seq, head_dim, causal, fwd_tflops, bwd_tflops, fwd+bwd_tflops` (and the ms); `configs` the
+autotuner's picks for every key it tuned; `fix_overhead` lists, per configuration, how much slower the Fix
+makes our kernel (time ratio - 1, fwd and fwd+bwd) and our speed relative to SDPA's flash; `targets` checks
+the drop-in targets: fwd+bwd >= 1.1x and fwd >= 1.0x SDPA flash (geometric means over causal and non-causal,
+N 4k-16k, head dim 128), Fix overhead <= 2% fwd+bwd and <= 5% fwd (the worst configuration of that set).
 
-    lowprec bench attention --out results/attention/bench.json     # ~4 min on one H200 (compiles included)
+    lowprec bench attention --out results/attention/bench.json     # ~10 min on one H200 (compiles included)
     lowprec bench attention --smoke                                # CPU, seconds
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,13 +53,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seq", type=int_list, default=[1024, 2048, 4096, 8192, 16384], help="sequence lengths"
     )
-    parser.add_argument("--head-dim", type=int_list, default=[64, 128], help="head dimensions")
+    parser.add_argument("--head-dim", type=int_list, default=[64, 128, 256], help="head dimensions")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
     parser.add_argument("--causal", choices=("false", "true", "both"), default="both")
     parser.add_argument("--tokens", type=int, default=16384, help="batch x seq per configuration")
     parser.add_argument(
         "--budget",
         type=float,
-        default=240.0,
+        default=900.0,
         help="seconds; no new (seq, head dim, causal) configuration starts after this (results are kept)",
     )
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
@@ -96,10 +104,9 @@ def time_ms(fn: Callable[[], object], device: str, grads: list[torch.Tensor]) ->
     return (time.perf_counter() - start) * 1e3
 
 
-def bench_one(
-    fn: Callable, batch: int, heads: int, seq: int, head_dim: int, causal: bool, device: str
-) -> dict:
-    """Milliseconds and TFLOP/s of fn for forward, backward and forward+backward."""
+def calls_of(fn: Callable, batch: int, heads: int, seq: int, head_dim: int, causal: bool,
+             device: str) -> tuple[dict[str, Callable], list[torch.Tensor]]:
+    """The fwd, bwd and fwd+bwd calls of fn on seeded bf16 inputs, and the tensors whose grads to reset."""
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (batch, heads, seq, head_dim)
     q, k, v = (
@@ -107,7 +114,6 @@ def bench_one(
         for _ in range(3)
     )
     do = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
-    grads = [q, k, v]
 
     def forward():
         with torch.no_grad():
@@ -119,11 +125,37 @@ def bench_one(
         "bwd": lambda: o.backward(do, retain_graph=True),
         "fwd+bwd": lambda: fn(q, k, v, causal=causal).backward(do),
     }
-    out = {}
-    for mode, call in calls.items():
-        ms = time_ms(call, device, grads)
-        out[f"{mode}_ms"] = ms
-        out[f"{mode}_tflops"] = flops(batch, heads, seq, head_dim, causal, mode) / (ms * 1e-3) / 1e12
+    return calls, [q, k, v]
+
+
+def bench_config(impls: dict[str, Callable], batch: int, heads: int, seq: int, head_dim: int, causal: bool,
+                 device: str, rounds: int) -> dict[str, dict]:
+    """Per implementation: milliseconds (median over `rounds` interleaved rounds) and TFLOP/s of fwd, bwd and
+    fwd+bwd, or the error that stopped it."""
+    out: dict[str, dict] = {}
+    prepared = {}
+    for name, fn in impls.items():
+        try:
+            prepared[name] = calls_of(fn, batch, heads, seq, head_dim, causal, device)
+            out[name] = {}
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
+    for mode in MODES:
+        times: dict[str, list[float]] = {name: [] for name in prepared}
+        for _ in range(rounds):
+            for name, (calls, grads) in prepared.items():
+                if "error" in out[name]:
+                    continue
+                try:
+                    times[name].append(time_ms(calls[mode], device, grads))
+                except Exception as exc:
+                    out[name] = {"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
+        for name, ms_list in times.items():
+            if "error" not in out[name] and ms_list:
+                ms = sorted(ms_list)[len(ms_list) // 2]
+                out[name][f"{mode}_ms"] = ms
+                work = flops(batch, heads, seq, head_dim, causal, mode)
+                out[name][f"{mode}_tflops"] = work / (ms * 1e-3) / 1e12
     return out
 
 
@@ -155,23 +187,19 @@ def run(args: argparse.Namespace) -> int:
             for causal in causals:
                 batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
                 over_budget = time.perf_counter() - start > args.budget  # all implementations or none
-                for name, fn in impls.items():
+                measured = {} if over_budget else bench_config(impls, batch, heads, seq, head_dim, causal,
+                                                               device, 1 if args.smoke else args.rounds)
+                for name in impls:
                     row = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}
                     row["causal"] = causal
-                    if over_budget:
-                        row["skipped"] = "time budget"
-                    else:
-                        try:
-                            row |= bench_one(fn, batch, heads, seq, head_dim, causal, device)
-                            if name.startswith("triton"):
-                                row["configs"] = autotuned_configs()
-                        except Exception as exc:
-                            row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+                    row |= measured.get(name, {"skipped": "time budget"})
                     record["results"].append(row)
-                    if args.out:
-                        write_json(args.out, record)
+                if args.out:
+                    write_json(args.out, record)
     record["seconds"] = round(time.perf_counter() - start, 1)
+    record["configs"] = autotuned_configs()
     record["fix_overhead"] = fix_overhead(record["results"])
+    record["targets"] = targets(record["fix_overhead"])
     if args.out:
         write_json(args.out, record)
     print(table(record))
@@ -201,6 +229,30 @@ def fix_overhead(results: list[dict]) -> list[dict]:
     return out
 
 
+def targets(overhead: list[dict], seqs: tuple[int, ...] = (4096, 8192, 16384), head_dim: int = 128) -> dict:
+    """The drop-in targets over `overhead`'s configurations with seq in `seqs` at `head_dim` (causal and
+    not): geometric means of our speed relative to SDPA flash, the worst Fix overhead, and whether each
+    target holds (None where nothing was measured)."""
+    rows = [e for e in overhead if e["seq"] in seqs and e["head_dim"] == head_dim]
+
+    def geomean(key: str) -> float | None:
+        values = [e[key] for e in rows if key in e]
+        return round(math.exp(sum(map(math.log, values)) / len(values)), 3) if values else None
+
+    def worst(key: str) -> float | None:
+        values = [e[key] for e in rows if key in e]
+        return max(values) if values else None
+
+    out = {"fwd+bwd_vs_flash": geomean("fwd+bwd_vs_flash"), "fwd_vs_flash": geomean("fwd_vs_flash"),
+           "fwd+bwd_fix_overhead": worst("fwd+bwd_fix_overhead"),
+           "fwd_fix_overhead": worst("fwd_fix_overhead")}
+    limits = {"fwd+bwd_vs_flash": (1.1, 1), "fwd_vs_flash": (1.0, 1), "fwd+bwd_fix_overhead": (0.02, -1),
+              "fwd_fix_overhead": (0.05, -1)}
+    out["met"] = {key: None if out[key] is None else (out[key] - bound) * sign >= 0
+                  for key, (bound, sign) in limits.items()}
+    return out
+
+
 def table(record: dict) -> str:
     """One line per (configuration, implementation): fwd / bwd / fwd+bwd TFLOP/s."""
     lines = [f"{'seq':>6} {'D':>4} {'causal':>6} {'impl':<12} {'fwd':>8} {'bwd':>8} {'fwd+bwd':>8}  TFLOP/s"]
@@ -221,6 +273,8 @@ def table(record: dict) -> str:
         ]
         cells += [f"{e[k]:>8.3f}x" if k in e else f"{'-':>9}" for k in ("fwd_vs_flash", "fwd+bwd_vs_flash")]
         lines.append(f"{e['seq']:>6} {e['head_dim']:>4} {e['causal']!s:>6}  {' '.join(cells)}")
+    if "targets" in record:
+        lines.append(f"targets (N 4k-16k, d=128): {record['targets']}")
     lines.append(f"device: {record['provenance'].get('device')}; {record.get('seconds')} s")
     return "\n".join(lines)
 

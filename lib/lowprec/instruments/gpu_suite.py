@@ -10,13 +10,17 @@ Sections, each case in its own try/except, results rewritten to DIR/gpu_suite.js
                error and t for O and δ = rowsum(dO ∘ O) against float64. SDPA backends that cannot run are
                recorded with the reason.
   correctness  the Triton kernel, forward and backward, for every compiled variant in VARIANTS (bf16 at head
-               dims 16, 32, 64, 80, 128; fp16 at 32, 128; fp32 at 16, 64; causal or not; Fix on/off) at two
-               sequence lengths each (1 to 1024, odd and even), two other tile shapes, large logits with
-               exact ties; against float64 with FlashAttention's rule: the kernel's max error must be <= 2x
-               the max error of a baseline (plain attention in the input dtype) + fp32 rounding noise.
-  fuzz         >= 500 random configurations over the same compiled variants (batch, heads, N from 1 to 1100,
-               logit scale, injected exact ties, same-sign V) under the same rule; failures are counted and
-               their configs recorded.
+               dims 16, 32, 64, 80, 128, 160, 256; fp16 at 32, 128, 256; fp32 at 16, 64; causal or not; Fix
+               on/off) at two sequence lengths each (1 to 1024, odd and even), two other tile shapes, large
+               logits with exact ties, grouped-query and multi-query heads, Nq != Nk both ways, transposed
+               (B, N, H, D) views, rounded-weight normalisation, and one launch of B·H = 70,000 (batch x
+               heads beyond CUDA's 65,535 grid rows); against float64 with FlashAttention's rule: the
+               kernel's max error must be <= 2x the max error of a baseline (plain attention in the input
+               dtype) + fp32 rounding noise.
+  fuzz         >= 1,000 random configurations over the same compiled variants (batch, query heads and
+               key/value heads (GQA, MQA), Nq and Nk from 1 to 1100 each (odd and even, equal or not), logit
+               scale, injected exact ties, same-sign V, the Fix, fp16 / bf16 / fp32, strided views) under the
+               same rule; failures are counted and their configs recorded.
 The kernels run at fixed 64 x 64 tiles (no autotuning) and do not specialise on N, so the whole correctness
 and fuzz run compiles each variant once (~90 kernels, ~1 s each); inputs and the float64 reference are
 computed on the device.
@@ -54,8 +58,11 @@ VARIANTS = (
     ("bf16", 64),
     ("bf16", 80),
     ("bf16", 128),
+    ("bf16", 160),
+    ("bf16", 256),
     ("fp16", 32),
     ("fp16", 128),
+    ("fp16", 256),
     ("fp32", 16),
     ("fp32", 64),
 )
@@ -75,7 +82,8 @@ BIAS_CASES = (
 
 @dataclass(frozen=True)
 class Check:
-    """One correctness configuration."""
+    """One correctness configuration: q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq_k,
+    head_dim) (None: heads, seq); layout "bshd" passes transposed views of (B, N, H, D) memory."""
 
     batch: int
     heads: int
@@ -88,6 +96,10 @@ class Check:
     ties: int = 0
     v_mean: float = 0.0
     blocks: tuple[int, int] = BLOCKS
+    kv_heads: int | None = None
+    seq_k: int | None = None
+    layout: str = "bhsd"
+    precision: str = "fa2"
 
 
 def make_inputs(c: Check, seed: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -97,15 +109,20 @@ def make_inputs(c: Check, seed: int, device: str) -> tuple[torch.Tensor, ...]:
     flash backward then shows only its δ error, from the rounded O, while plain attention's cancels: a real
     difference the 2x rule cannot judge.)"""
     gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (c.batch, c.heads, c.seq, c.head_dim)
-    q, k, v, do = (torch.randn(shape, generator=gen, device=device) for _ in range(4))
+    q_shape = (c.batch, c.heads, c.seq, c.head_dim)
+    kv_shape = (c.batch, c.kv_heads or c.heads, c.seq_k or c.seq, c.head_dim)
+    shapes = (q_shape, kv_shape, kv_shape, q_shape)
+    q, k, v, do = (torch.randn(s, generator=gen, device=device) for s in shapes)
     q = q * c.logit_scale
     v = v + c.v_mean
-    if c.ties > 1 and c.seq >= 2 * c.ties:
-        pos = torch.randperm(c.seq, generator=gen, device=device)[: c.ties]
+    if c.ties > 1 and kv_shape[2] >= 2 * c.ties:
+        pos = torch.randperm(kv_shape[2], generator=gen, device=device)[: c.ties]
         k[:, :, pos[1:]] = k[:, :, pos[:1]]
     dtype = DTYPES[c.dtype]
-    return tuple(t.to(dtype) for t in (q, k, v, do))
+    out = tuple(t.to(dtype) for t in (q, k, v, do))
+    if c.layout == "bshd":  # (B, N, H, D) memory seen as (B, H, N, D), as the model passes them
+        out = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in out)
+    return out
 
 
 def grads_of(fn, q, k, v, do) -> list[torch.Tensor]:
@@ -130,7 +147,8 @@ def check(c: Check, seed: int, device: str) -> dict:
     q, k, v, do = make_inputs(c, seed, device)
     fix = Fix() if c.fix else None
     blocks = {"block_m": c.blocks[0], "block_n": c.blocks[1]}
-    kernel = grads_of(functools.partial(flash_attention, causal=c.causal, fix=fix, **blocks), q, k, v, do)
+    kernel = grads_of(functools.partial(flash_attention, causal=c.causal, fix=fix, precision=c.precision,
+                                        **blocks), q, k, v, do)
     exact = grads_of(
         lambda q_, k_, v_: reference_attention(q_, k_, v_, c.causal)[0],
         q.double(),
@@ -145,7 +163,8 @@ def check(c: Check, seed: int, device: str) -> dict:
         baseline = functools.partial(attention, backend="sdpa", causal=c.causal, sdpa_backend="efficient")
     else:
         baseline_name = "emulated"
-        baseline = functools.partial(attention, backend="emulated", causal=c.causal, fix=fix, **blocks)
+        baseline = functools.partial(attention, backend="emulated", causal=c.causal, fix=fix,
+                                     precision=c.precision, **blocks)
     base = grads_of(baseline, q, k, v, do)
     names = ("o", "dq", "dk", "dv")
     err = {n: (a.double() - e).abs().max().item() for n, a, e in zip(names, kernel, exact, strict=True)}
@@ -201,18 +220,32 @@ def correctness_checks(smoke: bool) -> list[Check]:
         for blocks in ((128, 32), (32, 128))
     ]
     checks += [Check(1, 4, 512, 64, True, fix=True, logit_scale=s, ties=4) for s in (4.0, 16.0, 64.0)]
+    checks += [  # the drop-in features: GQA / MQA, Nq != Nk both ways, transposed views, consistent norm
+        Check(2, 8, 300, 128, True, kv_heads=2, fix=True),
+        Check(2, 8, 257, 64, False, kv_heads=1, dtype="fp16"),
+        Check(1, 4, 200, 128, True, seq_k=1000, layout="bshd"),
+        Check(1, 4, 1000, 64, True, seq_k=333, kv_heads=2),
+        Check(2, 4, 129, 256, False, seq_k=700, fix=True),
+        Check(1, 4, 512, 64, True, fix=True, logit_scale=16.0, ties=4, precision="consistent"),
+        Check(70, 1000, 3, 16, True),  # one launch of B·H = 70,000 programs per query block
+    ]
     return checks
 
 
 def fuzz_check(rng: random.Random, smoke: bool) -> Check:
-    """A random configuration within the compiled variants (VARIANTS, causal, Fix): N from 1 (odd and even),
-    random logit scale, injected exact ties, same-sign V."""
+    """A random configuration within the compiled variants (VARIANTS, causal, Fix): Nq and Nk from 1 (odd and
+    even; equal half the time), key/value heads a divisor of the query heads (GQA, MQA), random logit scale,
+    injected exact ties, same-sign V, strided views."""
     dtype, head_dim = rng.choice(SMOKE_VARIANTS if smoke else VARIANTS)
-    batch, seq = rng.randint(1, 4), rng.randint(1, 40 if smoke else 1100)
+    longest = 40 if smoke else 1100
+    batch, seq = rng.randint(1, 4), rng.randint(1, longest)
+    seq_k = seq if rng.random() < 0.5 else rng.randint(1, longest)
     min_rows = MIN_ROWS // 4 if smoke else MIN_ROWS
+    kv_heads = rng.choice((1, 1, 2, 4))
+    group = max(rng.choice((1, 1, 2, 4)), -(-min_rows // (batch * seq * kv_heads)))
     return Check(
         batch=batch,
-        heads=max(rng.randint(1, 8), -(-min_rows // (batch * seq))),
+        heads=kv_heads * group,
         seq=seq,
         head_dim=head_dim,
         causal=rng.random() < 0.5,
@@ -221,6 +254,9 @@ def fuzz_check(rng: random.Random, smoke: bool) -> Check:
         logit_scale=rng.choice((0.5, 1.0, 4.0, 16.0)),
         ties=rng.choice((0, 0, 2, 4, 8)),
         v_mean=rng.choice((0.0, 0.0, 3.0)),
+        kv_heads=kv_heads,
+        seq_k=seq_k,
+        layout=rng.choice(("bhsd", "bshd")),
     )
 
 
@@ -367,7 +403,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="adversarial rows per bias case (default 100000 on a GPU, 256 with --smoke)",
     )
     parser.add_argument(
-        "--fuzz", type=int, default=None, help="random configurations (default 600; 6 with --smoke)"
+        "--fuzz", type=int, default=None, help="random configurations (default 1000; 6 with --smoke)"
     )
     parser.add_argument("--sections", default="bias,correctness,fuzz", help="comma-separated subset to run")
 
@@ -381,7 +417,7 @@ def run(args: argparse.Namespace) -> int:
     if device == "cpu" and not args.smoke:
         raise ValueError("no CUDA device: run with --smoke (tiny sizes through Triton's interpreter)")
     rows = args.rows or (256 if args.smoke else 100_000)
-    n_fuzz = args.fuzz if args.fuzz is not None else (6 if args.smoke else 600)
+    n_fuzz = args.fuzz if args.fuzz is not None else (6 if args.smoke else 1000)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out / "gpu_suite.json", args)

@@ -1,5 +1,7 @@
 """Positive control: one attention layer in which biased rounding is the ONLY thing that can move W_Q.
 
+(One experiment in one file, design to summary in reading order; hence longer than the ~450-line guide.)
+
 Design (every choice serves one purpose: in exact arithmetic the expected gradient of W_Q is zero):
 - Queries q = W_Q x, x = u + noise (a "carrier" u shared by all tokens, like the paper's features 546/678).
   Keys and values are synthetic, fresh each step (no W_K, W_V). `sinks` keys equal one sink key k_s except
