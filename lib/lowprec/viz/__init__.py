@@ -5,20 +5,41 @@ drops, so the figures would be silently missing. `setup()` registers a "book" re
 div without its own plotly.js or MathJax (the `_ext/plotly_offline` Sphinx extension serves plotly.min.js
 once, from the plotly package) and selects it when BOOK_BUILD=1 (set by `make book`); elsewhere, e.g. in
 JupyterLab, figures keep plotly's native mimetype.
+
+The house style is the "book" template (plotly_white with a longer list of distinct colours, so that a figure
+with up to 20 traces repeats none, and a horizontal legend at the bottom of the figure, below the x axis
+title, so that it never covers the data). A figure that places its legend elsewhere gives its yref too.
 """
 
 from __future__ import annotations
 
 import os
 
+import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.io.base_renderers import MimetypeRenderer
 
 from lowprec.viz.plots import FIELD_COLOURS, bit_fields_figure, new_figure
 
-__all__ = ["FIELD_COLOURS", "bit_fields_figure", "book_build", "new_figure", "setup"]
+__all__ = ["COLOURWAY", "FIELD_COLOURS", "LEGEND_BELOW", "bit_fields_figure", "book_build", "book_template",
+           "new_figure", "setup"]
 
 FIGURE_HEIGHT = 440
+COLOURWAY = [  # d3's ten, then ten more that differ from them and from each other
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+    "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#6baed6", "#fd8d3c", "#74c476",
+    "#9e9ac8", "#252525",
+]  # fmt: skip
+LEGEND_BELOW = {"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0,
+                "xanchor": "left"}  # fmt: skip
+
+
+def book_template() -> go.layout.Template:
+    """plotly_white, COLOURWAY, and the legend below the plot (LEGEND_BELOW)."""
+    template = go.layout.Template(pio.templates["plotly_white"])
+    template.layout.colorway = COLOURWAY
+    template.layout.legend = LEGEND_BELOW
+    return template
 
 
 class BookRenderer(MimetypeRenderer):
@@ -47,4 +68,5 @@ def setup() -> None:
     """Pick the plotly renderer for where the chapter runs (book build or JupyterLab) and the house style."""
     pio.renderers["book"] = BookRenderer()
     pio.renderers.default = "book" if book_build() else "plotly_mimetype"
-    pio.templates.default = "plotly_white"
+    pio.templates["book"] = book_template()
+    pio.templates.default = "book"

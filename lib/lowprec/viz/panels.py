@@ -1,0 +1,146 @@
+"""Parts shared by the explorers of chapters 2-4: the live panel (controls, a snapshot note, a line of text,
+a figure) and the static twin's controls (a menu that picks a group of traces, a slider that restyles
+them), plus rounding of the numbers a twin stores in the page.
+
+A static twin holds every case it can show. Its menu toggles which group of traces is visible (one group
+per menu entry); its slider replaces the data of every group's traces at once, so whatever the menu shows,
+the slider's choice applies to it (the pattern of chapter 1's `static_explorer`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+from IPython.display import display
+
+SNAPSHOT_NOTE = (
+    "<b>Live panel</b>: in JupyterLab (<code>make lab</code>, then open this chapter) it recomputes when you "
+    "change a control. On the static site it is a <i>snapshot</i> of the state the book was built with; "
+    "the figure after it works here."
+)
+DIGITS = 4  # significant digits of the numbers a twin stores (the page stays small; the plots are unchanged)
+
+
+def sig(values: Sequence[float] | float, digits: int = DIGITS):
+    """`values` (a number or a flat list) rounded to `digits` significant digits; non-finite values become
+    None (a gap in a plotly line)."""
+
+    def one(x: float):
+        x = float(x)
+        if not math.isfinite(x):
+            return None
+        return 0.0 if x == 0 else float(f"{x:.{digits}g}")
+
+    if isinstance(values, (int, float)):
+        return one(values)
+    return [one(x) for x in values]
+
+
+class LivePanel:
+    """A live panel: controls and a line of text (ipywidgets), and below them a figure shown through a display
+    handle, so that a change of the figure replaces that output (in JupyterLab as in any Jupyter client).
+
+    compute(values) takes {control name: value} and returns (text, figure); it runs now and on every change
+    of a control; a ValueError is shown as text and leaves the figure as it was. In a notebook the panel
+    displays itself (the last expression of a cell); `widget` is its ipywidgets part, `figure` the figure
+    shown, `text` the Output that holds the text. (The figure is not put into the Output widget: a client
+    that mirrors Output widgets, as nbclient does when the book executes, stalls on large outputs there.)
+    """
+
+    def __init__(
+        self,
+        controls: dict[str, widgets.Widget],
+        compute: Callable[[dict], tuple[str, go.Figure]],
+        note: str = "",
+    ) -> None:
+        self.controls, self.compute = controls, compute
+        self.text = widgets.Output()
+        self.figure: go.Figure | None = None
+        self.handle = None
+        parts = [widgets.HTML(SNAPSHOT_NOTE), widgets.HBox(list(controls.values()),
+                                                           layout={"flex_flow": "row wrap"})]
+        if note:
+            parts.append(widgets.HTML(f"<i>{note}</i>"))
+        self.widget = widgets.VBox([*parts, self.text])
+        for control in controls.values():
+            control.observe(self.update, names="value")
+        self.update()
+
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def update(self, _: object = None) -> None:
+        start = time.perf_counter()
+        try:
+            text, figure = self.compute(self.values())
+        except ValueError as err:
+            text, figure = f"cannot compute this setting: {err}", None
+        with self.text:
+            self.text.clear_output(wait=True)
+            print(f"{text} (computed in {time.perf_counter() - start:.1f} s)")
+        if figure is not None:
+            self.figure = figure
+            if self.handle is not None:
+                self.handle.update(figure._repr_mimebundle_(), raw=True)
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)
+        if self.figure is not None:
+            self.handle = display(self.figure._repr_mimebundle_(), raw=True, display_id=True)
+
+
+def dropdown(description: str, options, value=None, width: str = "190px") -> widgets.Dropdown:
+    """A labelled dropdown; `options` as ipywidgets takes them (values, or (label, value) pairs)."""
+    kw = {} if value is None else {"value": value}
+    return widgets.Dropdown(
+        options=options, description=description, style={"description_width": "initial"},
+        layout={"width": width}, **kw,
+    )  # fmt: skip
+
+
+def add_menu_and_slider(
+    fig: go.Figure,
+    menu: Sequence[tuple[str, list[bool], dict]],
+    slider: Sequence[tuple[str, dict]],
+    restyled: list[int],
+    slider_prefix: str,
+    slider_active: int = 0,
+    menu_y: float = 1.02,
+) -> go.Figure:
+    """Add the twin's controls to `fig`.
+
+    menu: (label, visible flag of every trace, layout changes) per entry (method "update"); the figure's
+    traces must start in the state of the first entry. slider: (label, data) per step, where data maps a trace
+    attribute to one value per trace in `restyled` (method "restyle" on those traces only); the traces must
+    start in the state of step `slider_active`.
+    """
+    fig.update_layout(
+        updatemenus=[
+            {
+                "buttons": [
+                    {"label": label, "method": "update", "args": [{"visible": visible}, layout]}
+                    for label, visible, layout in menu
+                ],
+                "direction": "down",
+                "x": 1,
+                "xanchor": "right",
+                "y": menu_y,
+                "yanchor": "bottom",
+            }
+        ],
+        sliders=[
+            {
+                "active": slider_active,
+                "currentvalue": {"prefix": slider_prefix},
+                "pad": {"t": 40},
+                "steps": [
+                    {"label": label, "method": "restyle", "args": [data, restyled]} for label, data in slider
+                ],
+            }
+        ],
+    )
+    return fig

@@ -1,0 +1,123 @@
+"""The explorers of chapters 2-4 (lowprec.viz): each static twin builds on a tiny grid with working controls,
+and each live panel re-renders its output when a control changes (driven in a real kernel, as JupyterLab
+would drive it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+from lowprec.runs import load_run
+from lowprec.viz.control_explorer import control_twin
+from lowprec.viz.precision_explorer import Setting, measure, precision_twin
+from lowprec.viz.run_browser import run_twin
+
+ROOT = Path(__file__).resolve().parents[1]
+LEAD = ROOT / "results" / "explode" / "lead-s1337"
+
+
+def legend_colours(fig) -> list[str]:
+    """The colour of every legend entry the figure starts with (visible traces shown in the legend)."""
+    colours = []
+    for trace in fig.data:
+        if trace.visible is False or trace.showlegend is False:
+            continue
+        line = getattr(trace, "line", None)
+        colour = (line.color if line is not None else None) or trace.marker.color
+        colours.append(colour)
+    return colours
+
+
+def check_twin(fig, menu_entries: int, slider_steps: int) -> None:
+    """A menu with one entry per group, a slider whose steps restyle existing traces with different data,
+    a title, axis titles on every axis, and no colour twice among the legend entries."""
+    (menu,) = fig.layout.updatemenus
+    (slider,) = fig.layout.sliders
+    assert len(menu.buttons) == menu_entries and len(slider.steps) == slider_steps
+    n = len(fig.data)
+    for button in menu.buttons:
+        assert len(button.args[0]["visible"]) == n and any(button.args[0]["visible"])
+    first = [trace.visible is not False for trace in fig.data]
+    assert list(menu.buttons[0].args[0]["visible"]) == first, "the figure starts in the menu's first state"
+    datas = []
+    for step in slider.steps:
+        data, indices = step.args
+        assert all(0 <= i < n for i in indices)
+        assert all(len(values) == len(indices) for values in data.values())
+        datas.append(data)
+    assert all(a != b for a, b in zip(datas, datas[1:], strict=False)), "every slider step changes the data"
+    assert fig.layout.title.text
+    axes = [name for name in fig.layout if name.startswith(("xaxis", "yaxis"))
+            and fig.layout[name].showticklabels is not False]  # shared axes label the outer subplot only
+    untitled = [name for name in axes if not fig.layout[name].title.text]
+    assert axes and not untitled, f"axes without a title: {untitled}"
+    colours = legend_colours(fig)
+    assert colours and len(colours) == len(set(colours)), colours
+
+
+def test_precision_measure_matches_the_bias_harness() -> None:
+    m = measure(Setting(family="near-k4", v_mean=-1.5), rows=128)
+    assert m.result.rows == 128 and len(m.delta_err) == 128
+    assert abs(float(m.delta_err.mean()) - m.result.delta.mean) < 1e-12
+    assert m.pbar_ones.double().mean() == 4.0  # four near-tied P̄ round to 1 in every row (chapter 2)
+    fixed = measure(Setting(family="near-k4", v_mean=-1.5, beta=2.0), rows=128)
+    assert fixed.pbar_ones.sum() == 0 and fixed.triggered == 128
+
+
+def test_precision_twin() -> None:
+    fig = precision_twin(families=("unique", "near-k4"), v_means=(-1.5,), betas=(None, 2.0), rows=64, bins=8)
+    check_twin(fig, menu_entries=2, slider_steps=2)
+
+
+def test_run_twin() -> None:
+    runs = {path.name: load_run(path) for path in sorted(LEAD.iterdir()) if path.is_dir()}
+    fig = run_twin(dict(list(runs.items())[:2]), layer=1)
+    check_twin(fig, menu_entries=2, slider_steps=6)
+    assert fig.layout.sliders[0].active == 1
+
+
+def test_control_twin() -> None:
+    fig = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4)
+    check_twin(fig, menu_entries=2, slider_steps=2)
+
+
+# Each live panel in a kernel: build it small, remember its text and figure, change one control, compare. The
+# panel's figure is a display (updated in place through its display id), so the notebook's first output must
+# hold the new figure afterwards, as a Jupyter client shows it.
+LIVE = {
+    "precision": (
+        "from lowprec.viz.precision_explorer import precision_explorer\npanel = precision_explorer(rows=64)",
+        "placement", "'paper'", "| paper, tiles",
+    ),
+    "run browser": (
+        f"from lowprec.viz.run_browser import run_browser\npanel = run_browser({str(LEAD)!r})",
+        "layer", "3", "layer index 3",
+    ),
+    "control": (
+        "from lowprec.viz.control_explorer import control_explorer\npanel = control_explorer(steps=20)",
+        "optimizer", "'sgd'", "sgd",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LIVE)
+def test_live_panel_updates_in_a_kernel(name: str) -> None:
+    build, control, value, expected = LIVE[name]
+    cells = [
+        build + "\npanel",
+        "before = str(panel.text.outputs), panel.figure.to_json()\n"
+        "assert 'snapshot' in panel.widget.children[0].value and panel.handle is not None",
+        f"panel.controls[{control!r}].value = {value}",
+        "after = str(panel.text.outputs), panel.figure.to_json()\n"
+        f"assert after[0] != before[0] and {expected!r} in after[0] + after[1], (before[0], after[0])\n"
+        f"assert {expected!r} not in before[0] + before[1] and after[1] != before[1]\n"
+        "assert 'cannot compute' not in after[0]\nprint(panel.figure.layout.title.text)",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
+    title = notebook.cells[3].outputs[0]["text"].strip()
+    shown = [o for o in notebook.cells[0].outputs if o["output_type"] == "display_data"]
+    assert len(shown) == 2, "the panel's widgets and its figure"
+    assert title and title in str(shown[1]["data"]), "the figure output was updated in place"
