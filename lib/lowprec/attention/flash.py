@@ -394,13 +394,14 @@ def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
 
 
 def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
-                    every_config: bool = True) -> dict[str, dict[str, int]]:
+                    every_config: bool = True, variants: bool = True) -> dict[str, dict[str, int]]:
     """Compile the kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton), for each head dim:
     the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
-    the first), and the variants at the first kept config: the forward with the Fix and counters, with
-    rounded-weight normalisation (NORM), in fp32. Pointers and strides are taken 16-aligned, as the runtime
-    specialises them. Returns, per build "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared
-    memory in bytes, registers per thread and spill bytes. Needs compiled (not interpreted) kernels: import
+    the first), and (with `variants`) the variants at the first kept config: the forward with the Fix and
+    counters, with rounded-weight normalisation (NORM), in fp32, and grouped-query dK/dV. Pointers and
+    strides are taken 16-aligned, as the runtime specialises them. Returns, per build
+    "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread and
+    spill bytes. Needs compiled (not interpreted) kernels: import
     this module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
@@ -432,7 +433,7 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             ("forward fp32", _fwd_tuned, "BLOCK_M",
              dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())), "fp32", False),
         ]
-        for name, tuned, rows, constexprs, dtype, every in builds:
+        for name, tuned, rows, constexprs, dtype, every in builds if variants else builds[:3]:
             kernel = {"forward": "fwd"}.get(name.split()[0].split("+")[0], name.split()[0])
             configs = _kept_configs(tuned.configs, {}, kernel=kernel, rows=rows, **constexprs)
             args = tuned.fn.arg_names

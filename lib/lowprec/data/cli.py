@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lowprec.data.prepare import CODE_CAP_MIB, VAL_FRAC, TokenData, default_data_dir, prepare
+from lowprec.data.prepare import CODE_CAP_MIB, VAL_FRAC, prepare
 from lowprec.data.sources import GROUPS, SOURCES
 from lowprec.data.tokenizers import TOKENIZERS
+from lowprec.data.tokens import TokenData, default_data_dir
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -31,8 +31,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lowprec.data.prepare import TokenData, sigterm_raises
+from lowprec.data.prepare import sigterm_raises
 from lowprec.data.tokenizers import sha256_file
+from lowprec.data.tokens import TokenData
 from lowprec.fsutil import atomic_write, check_target
 
 PACK_FORMAT = "lowprec-pack/1"

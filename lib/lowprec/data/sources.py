@@ -4,7 +4,9 @@ client, and how its matching members become documents. Two slices: English (pros
 bibles, mail, dictionary entries; docs: technical documentation, `docs.py`) and code (hand-written source
 files, `codefiles.py`), each document followed by EOT in the token files.
 
-Extractors take `(member name, bytes)` pairs, so they can be tested on small synthetic archives."""
+Extractors take `(member name, bytes)` pairs, so they can be tested on small synthetic archives. The module
+is long because it is a catalogue: the SOURCES table, one small extractor per archive format and the fetch
+of each registry, kept together so that a source and the way it is read sit side by side."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=n
               "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none"}
 FIX = Fix(beta=2.0)
 FIX_BACKENDS = backends_with("fix")
-POLL_S = 5.0
+POLL_S = 1.0
 
 
 def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
@@ -84,10 +84,14 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
-def launch(cmd: list[str], gpu: int | None, log: Path) -> subprocess.Popen:
+def launch(cmd: list[str], gpu: int | None, log: Path, threads: int | None = None) -> subprocess.Popen:
+    """Start one run: on GPU `gpu`, or on the CPU with `threads` intra-op threads (runs sharing the cores
+    each take a share: oversubscribed, torch's threads spin-wait and every run slows many times over)."""
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     with open(log, "w") as handle:
         # own process group: the harness's Ctrl-C reaches the children only through stop_all (one SIGTERM)
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -171,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                "--out", str(out / name), "--set", f"seed={seed}", "--set", f"attention={specs[arm]}",
                "--set", "progress=false",
                *itertools.chain.from_iterable(("--set", o) for o in args.overrides)]
-        procs[name] = launch(cmd, i % gpus if gpus else None, out / f"{name}.log")
+        threads = None if gpus else max(1, (os.cpu_count() or 1) // len(jobs))
+        procs[name] = launch(cmd, i % gpus if gpus else None, out / f"{name}.log", threads)
     print(f"explode: {len(procs)} runs ({', '.join(arms)} x seeds {seeds}) on "
           f"{gpus or 'no'} GPU(s) for {args.minutes:g} min -> {out}", flush=True)
     t0 = time.monotonic()
