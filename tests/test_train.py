@@ -58,6 +58,10 @@ def test_smoke_loss_decreases(tmp_path):
     assert (tmp_path / "checkpoint" / ".gitignore").read_text() == "*\n"
     val_steps, val = run.series("val_loss")
     assert val_steps == [0, 20, 40] and val[-1] < val[0] - 1.0
+    corpus = run.events_of("start")[0]["corpus"]
+    assert corpus["slices"] and corpus["train_tokens"] > 0 and len(corpus["train_sha256"]) == 64
+    epochs = run.summary["tokens"] / corpus["train_tokens"]  # the record keeps 5 significant digits
+    assert run.summary["repetition"] == pytest.approx(epochs, rel=1e-4)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

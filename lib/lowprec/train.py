@@ -208,8 +208,9 @@ class Trainer:
                     self.writer.event("resumed", self.start_step, provenance=provenance(command))
                 else:
                     self.writer.event("start", self.start_step, data=str(self.data.path),
-                                      world_size=self.dist.world_size, params=self.model.num_params(),
-                                      tokens_per_step=cfg.tokens_per_step, device=str(self.device),
+                                      corpus=self.data.describe(), world_size=self.dist.world_size,
+                                      params=self.model.num_params(), tokens_per_step=cfg.tokens_per_step,
+                                      device=str(self.device),
                                       compile=use_compile, **(start_fields or {}))
             except Exception as exc:
                 self._fail(exc)
@@ -466,7 +467,8 @@ class Trainer:
         summary = {"status": status, "steps": done, "tokens": done * cfg.tokens_per_step,
                    "time_s": self.elapsed + time.perf_counter() - self.t_start,
                    "diverged_step": self.diverged_step, "final_loss": self.last_loss,
-                   "min_loss_after_warmup": self.running_min if math.isfinite(self.running_min) else None}
+                   "min_loss_after_warmup": self.running_min if math.isfinite(self.running_min) else None,
+                   "repetition": self.data.repetition(done * cfg.tokens_per_step)}  # epochs of the corpus
         if self.writer is not None:
             if self.last_loss is None:  # no step ran: the loss the record has stays
                 summary["final_loss"] = self.writer.summary.get("final_loss")
