@@ -227,8 +227,10 @@ def step(
     precision: Precision | None,
     fix: Fix | None,
     m_first: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[dict, torch.Tensor | None]:
-    """Loss and backward (w.grad) for one batch in one arm, plus that step's telemetry row."""
+    """Loss and backward (w.grad) for one batch in one arm, plus that step's telemetry row; `generator`
+    gives the random bits of stochastic rounding."""
     q = (batch.x @ w.T)[:, None]
     if precision is None:
         o = reference_attention(q, batch.k, batch.v, causal=False)[0]
@@ -243,6 +245,7 @@ def step(
             precision=precision,
             fix=fix,
             return_stats=True,
+            generator=generator,
         )
         o.retain_grad()
     task, bias = loss_parts(o.float(), batch.y, cfg)
@@ -284,9 +287,21 @@ def run_arm(
     cfg: ControlConfig, placement: str, arm: str, optimizer: str = "adam", progress: tqdm | None = None
 ) -> dict:
     """Train W_Q for cfg.steps in one arm; returns {"series": per-step lists, "summary": numbers}."""
+    precision, fix = arm_precision(placement, arm, cfg.beta)
+    return train_w_q(cfg, precision, fix, optimizer, progress)
+
+
+def train_w_q(
+    cfg: ControlConfig, precision: Precision | str | None, fix: Fix | None, optimizer: str = "adam",
+    progress: tqdm | None = None,
+) -> dict:  # fmt: skip
+    """Train W_Q for cfg.steps with any precision (None: float64) and Fix, on the same init and data stream
+    as every arm; stochastic rounding draws its bits from a generator seeded with cfg.seed + 2."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
-    precision, fix = arm_precision(placement, arm, cfg.beta)
+    precision = None if precision is None else Precision.parse(precision)
+    stochastic = precision is not None and precision.stochastic
+    rounding_bits = torch.Generator().manual_seed(cfg.seed + 2) if stochastic else None
     prob = make_problem(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     w = prob.w0.clone().requires_grad_(True)
@@ -299,7 +314,7 @@ def run_arm(
     m_first, prev_update = None, None
     for _ in range(cfg.steps):
         opt.zero_grad()
-        row, m = step(cfg, prob, w, sample_batch(cfg, prob, gen), precision, fix, m_first)
+        row, m = step(cfg, prob, w, sample_batch(cfg, prob, gen), precision, fix, m_first, rounding_bits)
         m_first = m if m_first is None else m_first
         before = w.detach().clone()
         opt.step()

@@ -1,0 +1,240 @@
+"""Cures of flash attention's rounding bias, measured on one harness (the book's chapter 5).
+
+- Rows (`cure_rows`, `Family`, `FAMILIES`): the bias harness's adversarial rows (`instruments.bias`: a
+  `Case` gives the score pattern and V's mean) with the row maximum r drawn continuously, snapped to the bf16
+  grid, or set to given values. The softmax scale is `SCALE` = 1/8, a power of two, so that a maximum on the
+  bf16 grid is exactly that fp32 score in the kernel (with 1/sqrt(d) it would be rounded again).
+- Cures (`Cure`, `CURES`): a precision string and a Fix; `Cure.impl` is the harness's f(q, k, v) -> o. A cure
+  whose output point is unrounded ("fa2:output=none") changes only the O the backward's δ uses (the stored O
+  is still cast to q's dtype), so the harness measures that fp32 O: the same forward on fp32 copies of the
+  inputs, with every "input" rounding point pinned to the inputs' format.
+- The Fix's own bias (`top_weight_error`, `failure_map`): with ties at a row maximum r > 0 the Fix's largest
+  weight is exp(-(beta-1) r), rounded like every P̄; `failure_map` measures t(O), t(δ) of rows whose maximum
+  is exactly r, over a grid of beta and r.
+- Positive control (`run_cure`): `positive_control.run_arm` for any Cure (same init, data, optimizer and
+  summary numbers: drift along R, collapse, task lost), without the per-step gradient telemetry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from lowprec.analysis import ErrorStats
+from lowprec.attention import Fix, Precision, Rounding, emulated_attention, reference_attention
+from lowprec.attention.precision import INPUT, POINTS
+from lowprec.formats import FORMATS, Format, round_to
+from lowprec.instruments.bias import CASES, SEQ, BiasResult, Case, Rows, as_case, bias_of, target_scores
+from lowprec.instruments.positive_control import ControlConfig, single_thread, train_w_q
+
+SCALE = 0.125  # softmax scale of the cure rows (a power of two: module docstring)
+BF16 = FORMATS["bf16"]
+Maxima = str | float | Sequence[float]  # "continuous", "bf16", one value for all rows, or one per group
+
+
+# ---------------------------------------------------------------------------------------------------- rows
+
+
+def row_maxima(case: Case, rows: int, maxima: Maxima, gen: torch.Generator) -> torch.Tensor:
+    """(rows, 1) float64 row maxima: uniform in case.max_range ("continuous"), the same snapped to the bf16
+    grid ("bf16"), one value for every row (a float), or len(maxima) equal consecutive groups of rows, group i
+    at maxima[i] (a sequence; rows must be a multiple of its length)."""
+    if isinstance(maxima, str):
+        if maxima not in ("continuous", "bf16"):
+            raise ValueError(f"maxima must be 'continuous', 'bf16', a number or a sequence, got {maxima!r}")
+        lo, hi = case.max_range
+        r = lo + (hi - lo) * torch.rand(rows, 1, generator=gen, dtype=torch.float64)
+        return r if maxima == "continuous" else round_to(r.float(), BF16).double()
+    values = [float(maxima)] if isinstance(maxima, (int, float)) else [float(x) for x in maxima]
+    if not values or rows % len(values):
+        raise ValueError(f"rows ({rows}) must be a positive multiple of the number of maxima ({len(values)})")
+    return torch.tensor(values, dtype=torch.float64).repeat_interleave(rows // len(values))[:, None]
+
+
+def cure_rows(case: Case | str, rows: int = 4096, seed: int = 0, maxima: Maxima = "continuous") -> Rows:
+    """The bias harness's rows for `case` (bf16 q, k, v, fp32 dO, float64 reference at SCALE) with the row
+    maxima of `maxima` (`row_maxima`); the pattern below the maximum (ties, near ties, the rest) is the
+    case's. A maximum on the bf16 grid is the exact fp32 score of its key(s)."""
+    case = as_case(case)
+    if case.scores == "random":
+        raise ValueError("cure_rows needs a case with a prescribed maximum (not scores='random')")
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    gen = torch.Generator().manual_seed(seed)
+    heads, d = -(-rows // SEQ), 2 * SEQ
+    s = target_scores(case, heads * SEQ, gen)
+    r = row_maxima(case, rows, maxima, gen)
+    r = torch.cat([r, r[-1:].expand(heads * SEQ - rows, 1)])  # the last head's spare rows (never measured)
+    s = s - s.amax(dim=-1, keepdim=True) + r  # the ties stay bit-exact: their s - max is 0
+    want = (s / SCALE).view(1, heads, SEQ, SEQ)
+    a = want.bfloat16()
+    q = torch.cat([a, (want - a.double()).bfloat16()], dim=-1)  # q·k = a + b (as bias.adversarial_inputs)
+    eye = torch.eye(SEQ, dtype=torch.bfloat16)
+    k = torch.cat([eye, eye], dim=-1).expand(1, heads, SEQ, d).contiguous()
+    v = (case.v_mean + 0.5 * torch.randn(1, heads, SEQ, d, generator=gen)).bfloat16()
+    do = math.copysign(1.0, case.v_mean) + torch.randn(1, heads, SEQ, d, generator=gen)
+    return Rows(case, rows, q, k, v, do, reference_attention(q, k, v, causal=False, scale=SCALE)[0])
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of rows for the cure table: a Case (score pattern and V's mean) and its row maxima."""
+
+    name: str
+    case: Case
+    maxima: str | float = "continuous"
+
+    def rows(self, rows: int = 4096, seed: int = 0) -> Rows:
+        return cure_rows(replace(self.case, name=self.name), rows, seed, self.maxima)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("near, r continuous", CASES["near-k4"]),
+    Family("near, r on bf16 grid", CASES["near-k4"], "bf16"),
+    Family("exact, r on bf16 grid", CASES["exact-k4"], "bf16"),
+    Family("exact, r = 5 (sinks)", CASES["exact-k4"], 5.0),
+    Family("near, r continuous, V -0.75", replace(CASES["near-k4"], v_mean=-0.75)),
+)
+"""Near or exact ties (4 keys) with continuous, bf16-grid or shared maxima, V ~ N(-1.5, 0.5²) (mid-binade),
+and near ties with V ~ N(-0.75, 0.5²), mid-binade on the other side of 1. r is uniform in [1, 3] unless fixed;
+r = 5 is the sink lead of chapter 4's positive control."""
+
+
+# -------------------------------------------------------------------------------------------------- cures
+
+
+def pinned(precision: Precision | str, dtype: torch.dtype) -> Precision:
+    """`precision` with every "input" rounding point replaced by the format of `dtype` (same mode), so that
+    it rounds the same way on fp32 copies of inputs of that dtype."""
+    p = Precision.parse(precision)
+    changes = {}
+    for point in POINTS:
+        rounding = getattr(p, point)
+        if rounding.fmt == INPUT:
+            changes[point] = Rounding(rounding.resolve(dtype), rounding.mode)
+    return replace(p, **changes)
+
+
+@dataclass(frozen=True)
+class Cure:
+    """A change of the forward that may remove its bias: a precision string (lowprec.attention.precision)
+    and a Fix; `about` says what it changes, for tables."""
+
+    name: str
+    precision: str = "fa2"
+    fix: Fix | None = None
+    about: str = ""
+
+    def __post_init__(self) -> None:
+        Precision.parse(self.precision)  # ValueError for a bad string, at construction
+
+    @property
+    def fp32_store(self) -> bool:
+        """The output point is unrounded: the backward's δ uses the fp32 O, not the stored (cast) one."""
+        return Precision.parse(self.precision).output.fmt is None
+
+    def impl(self, seed: int = 1, **options) -> Callable[..., torch.Tensor]:
+        """f(q, k, v) -> the O the backward uses (non-causal, SCALE), for bias_of; `seed` drives stochastic
+        rounding, `options` go to emulated_attention (e.g. block_n, return_stats)."""
+        gen = torch.Generator().manual_seed(seed)
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+            precision: Precision | str = self.precision
+            if self.fp32_store:  # the same forward on fp32 copies: O = acc / l, unrounded
+                precision = pinned(precision, q.dtype)
+                q, k, v = q.float(), k.float(), v.float()
+            return emulated_attention(q, k, v, causal=False, scale=SCALE, precision=precision, fix=self.fix,
+                                      generator=gen, **options)
+
+        run.__name__ = self.name
+        return run
+
+
+CURES: tuple[Cure, ...] = (
+    Cure("none (fa2)", about="production placement: P̄ and O in bf16, l sums the fp32 P"),
+    Cure("Fix", fix=Fix(), about="the published dynamic maximum, beta = 2, ties per tile"),
+    Cure("Fix, closed", fix=Fix(variant="closed"), about="the Fix with a gap of at least 2^-7 above r"),
+    Cure("consistent", "consistent", about="l sums the rounded P̄ that enter P̄V (norm=rounded)"),
+    Cure("consistent + Fix", "consistent", Fix(), about="both"),
+    Cure("stochastic P̄", "fa2:weights=bf16@stochastic", about="P̄ rounded stochastically to bf16"),
+    Cure("fp32 P̄V", "fa2:weights=none", about="P̄ not rounded (an fp32 P̄V product)"),
+    Cure("fp32 O for δ", "fa2:output=none", about="the backward's δ from the unrounded O"),
+    Cure("fp16 P̄", "fa2:weights=fp16", about="P̄ in fp16 (10 significand bits)"),
+    Cure("fp8 e4m3 P̄", "fa2:weights=fp8_e4m3", about="P̄ in fp8 e4m3 (3 bits, the FP8 kernels' P)"),
+    Cure("fp8 e5m2 P̄", "fa2:weights=fp8_e5m2", about="P̄ in fp8 e5m2 (2 bits)"),
+)
+
+
+@single_thread()
+def cure_table(cures: Sequence[Cure], families: Sequence[Family], rows: int = 4096,
+               seed: int = 0) -> list[BiasResult]:
+    """bias_of for every (cure, family), families outermost; the same rows for every cure."""
+    results = []
+    for family in families:
+        data = family.rows(rows, seed)
+        results += [bias_of(cure.impl(seed + 1), data, cure.name) for cure in cures]
+    return results
+
+
+# -------------------------------------------------------------------------------------- the Fix's own bias
+
+
+def top_weight_error(beta: float, r: float, fmt: Format = BF16) -> float:
+    """Relative rounding error of the Fix's largest weight exp(-(beta-1) r) (r > 0) in `fmt`: the same for
+    every row whose maximum is r, so it does not average out over such rows."""
+    x = torch.tensor([math.exp(-(beta - 1.0) * r)], dtype=torch.float32)
+    return float(round_to(x, fmt).double() / x.double() - 1.0)
+
+
+def row_errors(impl: Callable, data: Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row O error (mean over features) and δ error (rowsum dO * error) of `impl` on `data`, as bias_of
+    computes them (float64; no row may be non-finite)."""
+    out = impl(data.q, data.k, data.v)
+    o = (out[0] if isinstance(out, tuple) else out).double()
+    err = (o - data.o_ref).flatten(0, 2)[: data.rows]
+    if not torch.isfinite(err).all():
+        raise ValueError("row_errors: non-finite outputs (use bias_of, which drops such rows)")
+    return err.mean(dim=-1), (data.do.double().flatten(0, 2)[: data.rows] * err).sum(dim=-1)
+
+
+@single_thread()
+def failure_map(betas: Sequence[float], maxima: Sequence[float], case: Case | str = "exact-k4",
+                rows: int = 512, seed: int = 0, precision: str = "fa2") -> dict[str, list[list[float]]]:
+    """t(O) and t(δ) of the published Fix(beta) for `rows` rows whose maximum is exactly r, for every beta in
+    `betas` (outer lists) and r in `maxima` (inner lists), on the same rows for every beta."""
+    data = cure_rows(case, rows * len(maxima), seed, tuple(maxima))
+    out: dict[str, list[list[float]]] = {"o_t": [], "delta_t": []}
+    for beta in betas:
+        o_err, d_err = row_errors(Cure(f"beta {beta}", precision, Fix(beta=beta)).impl(), data)
+        out["o_t"].append([ErrorStats.of(e).t for e in o_err.view(len(maxima), rows)])
+        out["delta_t"].append([ErrorStats.of(e).t for e in d_err.view(len(maxima), rows)])
+    return out
+
+
+# ----------------------------------------------------------------------------------------- positive control
+
+
+@single_thread()
+def run_cure(cfg: ControlConfig, cure: Cure, optimizer: str = "adam") -> dict:
+    """The positive control (`positive_control.train_w_q`) with a cure's precision and Fix: the same
+    initialisation, data and summary as its arms. Returns {"series", "summary"}."""
+    return train_w_q(cfg, cure.precision, cure.fix, optimizer)
+
+
+__all__ = [
+    "CURES",
+    "FAMILIES",
+    "SCALE",
+    "Cure",
+    "Family",
+    "cure_rows",
+    "cure_table",
+    "failure_map",
+    "pinned",
+    "row_errors",
+    "row_maxima",
+    "run_cure",
+    "top_weight_error",
+]
