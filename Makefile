@@ -17,18 +17,21 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
-# The execution cache is keyed on the chapters' text only: when the library or a recorded result changes,
-# re-execute them all (so the site never shows outputs computed from an old record).
-JUPYTER_CACHE := _build/.jupyter_cache/global.db
+# The execution cache is keyed on the chapters' text only, and Sphinx re-reads only the chapters whose text
+# changed: when the library or a recorded result is newer than the last build, drop both (so the site never
+# shows outputs computed from an old library or record).
+LAST_BUILD := _build/.doctrees/environment.pickle
 book: setup
-	@if [ -f $(JUPYTER_CACHE) ] && [ -n "$$( { find lib -name '*.py' -newer $(JUPYTER_CACHE); \
-		find results -type f -newer $(JUPYTER_CACHE); } | head -1)" ]; then \
-		rm -rf $(dir $(JUPYTER_CACHE)); fi
+	@if [ -f $(LAST_BUILD) ] && [ -n "$$( { find lib -name '*.py' -newer $(LAST_BUILD); \
+		find results -type f -newer $(LAST_BUILD); } | head -1)" ]; then \
+		rm -rf _build/.jupyter_cache _build/.doctrees; fi
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .
 
+# Two workers, one file at a time each; tests/test_book.py first, so that the site build (the longest single
+# job: it executes every chapter) starts at once on one worker while the other runs the rest.
 test: setup
 	$(PY) -m ruff check lib tests book _ext
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests/test_book.py tests
 
 # JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
 # Exploring changes no file in book/: autosave is off (the lab would otherwise rewrite every opened chapter:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 import http.server
+import os
 import re
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from pathlib import Path
 import nbclient
 import nbformat
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_build" / "html"
@@ -110,6 +113,26 @@ def test_chapter_executes(build: Build, path: Path) -> None:
     assert not errors, f"{page.relative_to(SITE)} shows {len(errors)} error output(s)"
 
 
+ON_GPU = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (kernels compiled, not interpreted)")
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_executes_on_gpu(path: Path, tmp_path: Path) -> None:
+    """The chapter as a practitioner runs it on a GPU machine: TRITON_INTERPRET unset, kernels compiled."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bindir = Path(sys.executable).parent
+    notebook = tmp_path / path.with_suffix(".ipynb").name
+    subprocess.run([bindir / "jupytext", "-q", "--to", "ipynb", "-o", notebook, path], check=True, env=env)
+    result = subprocess.run(
+        [bindir / "jupyter", "nbconvert", "--to", "notebook", "--execute",
+         "--ExecutePreprocessor.timeout=1200", f"--ExecutePreprocessor.cwd={path.parent}", "--output",
+         tmp_path / "out.ipynb", notebook],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{path.name} failed on the GPU:\n{result.stderr[-5000:]}"
+
+
 def pages(site: Path) -> list[Path]:
     """Every page Sphinx wrote (theme templates copied into _static are not pages)."""
     return sorted(
@@ -190,25 +213,69 @@ WAIT_FOR_MATHJAX = """async () => {
 }"""
 
 
-def test_every_page_renders_offline_in_chromium(site: Path, server: str) -> None:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: run `make setup` (apt-get install -y chromium)")
-    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
-    failures: dict[str, list[str]] = {}
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            for page_path in pages(site):
-                name = str(page_path.relative_to(site))
-                failures[name] = check_page(browser, f"{server}/{name}", server)
-        finally:
-            browser.close()
-    failures = {name: problems for name, problems in failures.items() if problems}
-    assert not failures, failures
+# Outputs reach the DOM some time after the network is idle (the theme moves them into place): wait until
+# the number of figures and widget views has not changed for a second (at most 30 s).
+SETTLE = """async () => {
+  const count = () => document.querySelectorAll('.plotly-graph-div, .jupyter-widgets').length;
+  const sleep = () => new Promise(r => setTimeout(r, 200));
+  let last = -1, stable = 0;
+  for (let i = 0; i < 150 && stable < 5; i++) {
+    const now = count();
+    stable = now === last && document.readyState === 'complete' ? stable + 1 : 0;
+    last = now;
+    await sleep();
+  }
+  return last;
+}"""
 
 
-def check_page(browser, url: str, server: str) -> list[str]:
-    """Open one page; return what went wrong (console errors, failed or external requests, undrawn output)."""
+TWINS = """() => [...document.querySelectorAll('.plotly-graph-div')].map((gd, i) => {
+  gd.dataset.twin = i;
+  return {index: i, title: gd.layout?.title?.text ?? '', menus: (gd.layout?.updatemenus ?? []).length,
+          sliders: (gd.layout?.sliders ?? []).length};
+}).filter(g => g.menus || g.sliders)"""
+TWIN_STATE = """(i) => JSON.stringify(
+  document.querySelector(`[data-twin="${i}"]`).data.map(t => [t.visible, t.x, t.y, t.z, t.text]))"""
+
+
+def click_centre(page, selector: str) -> None:
+    box = page.locator(selector).bounding_box()
+    assert box, f"{selector} is not on screen"
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+
+
+def drive_twin(page, index: int) -> list[str]:
+    """Open the twin's menu and pick its last entry, then click its slider's last tick: each must change the
+    drawn data. Returns what did not."""
+    graph = f'[data-twin="{index}"]'
+    problems = []
+    page.locator(graph).scroll_into_view_if_needed()
+    before = page.evaluate(TWIN_STATE, index)
+    if page.locator(f"{graph} .updatemenu-header").count():
+        click_centre(page, f"{graph} .updatemenu-header")
+        page.wait_for_timeout(200)
+        click_centre(page, f"{graph} .updatemenu-dropdown-button >> nth=-1")
+        page.wait_for_timeout(300)
+        after = page.evaluate(TWIN_STATE, index)
+        if after == before:
+            problems.append("menu: picking its last entry changed nothing")
+        before = after
+    if page.locator(f"{graph} .slider-tick-rect").count():
+        click_centre(page, f"{graph} .slider-tick-rect >> nth=-1")
+        page.wait_for_timeout(300)
+        if page.evaluate(TWIN_STATE, index) == before:
+            problems.append("slider: moving it to its last step changed nothing")
+    return problems
+
+
+@dataclass
+class Visit:
+    problems: list[str]  # console errors, failed or external requests, undrawn output
+    twins: dict[str, list[str]]  # title of each static twin -> what did not respond
+
+
+def visit_page(browser, url: str, server: str) -> Visit:
+    """Open one page, check that everything on it rendered, then drive each static twin."""
     problems: list[str] = []
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     page.route(re.compile(r"^(?!" + re.escape(server) + r")"), lambda route: route.abort())  # stay offline
@@ -218,8 +285,9 @@ def check_page(browser, url: str, server: str) -> list[str]:
     try:
         page.goto(url, wait_until="networkidle")
         page.evaluate(WAIT_FOR_MATHJAX)
-        page.wait_for_timeout(500)  # let widget and plot rendering settle
+        page.evaluate(SETTLE)
         state = page.evaluate(PAGE_CHECK)
+        twins = {twin["title"]: drive_twin(page, twin["index"]) for twin in page.evaluate(TWINS)}
     finally:
         page.close()
     if state["undrawn"]:
@@ -228,4 +296,33 @@ def check_page(browser, url: str, server: str) -> list[str]:
         problems.append(f"only {state['rendered_widgets']} of {state['widget_views']} widgets rendered")
     if state["raw_math"]:
         problems.append(f"{state['raw_math']} math elements were not typeset")
-    return problems
+    return Visit(problems, twins)
+
+
+@pytest.fixture(scope="module")
+def visits(site: Path, server: str) -> dict[str, Visit]:
+    """Every page of the site, opened once in headless Chromium."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `make setup` (apt-get install -y chromium)")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            return {str(p.relative_to(site)): visit_page(browser, f"{server}/{p.relative_to(site)}", server)
+                    for p in pages(site)}
+        finally:
+            browser.close()
+
+
+def test_every_page_renders_offline_in_chromium(visits: dict[str, Visit]) -> None:
+    failures = {name: visit.problems for name, visit in visits.items() if visit.problems}
+    assert not failures, failures
+
+
+def test_every_twin_responds_in_chromium(visits: dict[str, Visit]) -> None:
+    """Each static twin (a figure with a menu or a slider) changes its drawn data when a reader uses them."""
+    twins = sum(len(visit.twins) for visit in visits.values())
+    assert twins >= 4, f"only {twins} static twins on the site (chapters 1-4 have one each)"
+    failures = {f"{name}: {title!r}": problems for name, visit in visits.items()
+                for title, problems in visit.twins.items() if problems}
+    assert not failures, failures

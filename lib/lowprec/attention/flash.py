@@ -53,11 +53,14 @@ from lowprec.attention.triton_mode import INTERPRET  # first: it may switch on t
 
 # isort: split
 import functools
+import hashlib
+import json
 import os
 import re
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -379,18 +382,27 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
-    """Registers per thread and spill bytes (stores + loads) that ptxas reports for `ptx`."""
+    """Registers per thread and spill bytes (stores + loads) that ptxas reports for `ptx`; kept beside
+    Triton's own compile cache (keyed by the PTX and ptxas), as triton.compile keeps its builds."""
     from triton.backends.nvidia.compiler import get_ptxas
+    from triton.runtime.cache import get_cache_manager
 
+    ptxas = get_ptxas(arch).path
+    key = hashlib.sha256(f"{ptxas} sm_{arch}a\n{ptx}".encode()).hexdigest()
+    cache = get_cache_manager(key)
+    if (cached := cache.get_file("usage.json")) is not None:
+        return json.loads(Path(cached).read_text())
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        log = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o",
                               os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True)
     text = log.stdout + log.stderr
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", text))
-    return {"registers": int(re.search(r"Used (\d+) registers", text)[1]), "spills": spills}
+    usage = {"registers": int(re.search(r"Used (\d+) registers", text)[1]), "spills": spills}
+    cache.put(json.dumps(usage), "usage.json", binary=False)
+    return usage
 
 
 def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
@@ -437,7 +449,7 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             kernel = {"forward": "fwd"}.get(name.split()[0].split("+")[0], name.split()[0])
             configs = _kept_configs(tuned.configs, {}, kernel=kernel, rows=rows, **constexprs)
             args = tuned.fn.arg_names
-            aligned = [(args.index(a),) for a in pointers if a in args]
+            aligned = [(args.index(a),) for a in sorted(pointers) if a in args]  # sorted: a stable cache key
             aligned += [(args.index(a), i) for a in strides if a in args for i in range(3)]
             attrs = {path: [["tt.divisibility", 16]] for path in aligned}
             for config in configs if every else configs[:1]:
