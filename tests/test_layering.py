@@ -27,7 +27,7 @@ ALLOWED = {
     "train": {"model", "telemetry", "data", "runs", "configs", "dist", "checkpoint", "fsutil", "lowprec"},
     "replay": {"train", "configs", "dist", "runs", "model", "attention"},
     "instruments": {"analysis", "attention", "checkpoint", "configs", "formats", "model", "runs", "train",
-                    "data"},
+                    "telemetry", "data"},
     "viz": {"formats", "attention", "analysis", "runs", "instruments"},
     "cli": set(),
 }

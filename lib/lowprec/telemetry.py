@@ -95,12 +95,6 @@ def layer_signals(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     o_hp = p @ v.double()
     err = ((do.double() * o.double()).sum(-1) - (do.double() * o_hp).sum(-1))   # (B, H, T): δ_lp - δ_hp
     exact, near = ties(s32, s32.amax(-1), window)
-    pk = (p @ k.double()).float()
-    a, b = F.normalize(pk, dim=-1), F.normalize(x.float(), dim=-1)
-    n = q.shape[2]
-    pair = ((a @ a.transpose(-1, -2)) * (b @ b.transpose(-1, -2)).unsqueeze(1)).sum((-1, -2)) - n
-    rank1_cos = (pair / max(n * (n - 1), 1)).mean(0)
-    rows = q.shape[0] * n
     return {
         "max_logit": s64.amax(dim=(-1, -2)).amax(0),
         "entropy": torch.special.entr(p).sum(-1).mean((0, 2)),
@@ -108,9 +102,24 @@ def layer_signals(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         "near_tie_rows": near.sum((0, 2)).double(),
         "delta_error": err.sum((0, 2)),
         "delta_error_abs": err.abs().sum((0, 2)),
-        "rank1_cos": rank1_cos,
-        "mean_term": torch.einsum("bhtd,btc->hdc", pk, x.float()) / rows,
-        "delta_term": torch.einsum("bhtd,btc->hdc", err.float().unsqueeze(-1) * pk, x.float()),
+        **rank1_terms(p, k, x, err),
+    }
+
+
+def rank1_terms(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor,
+                delta_err: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The paper's rank-1 terms (PK)[T]^T X[T] of one attention call: "rank1_cos" (heads,), the mean cosine
+    over token pairs T != T' of a sequence; "mean_term" and the δ-weighted "delta_term" (heads, head_dim,
+    n_embd). p: (B, H, T, N) probabilities (any mask), k: (B, H, N, D), x: (B, T, C) the attention input,
+    delta_err: (B, H, T) δ_lp - δ_hp."""
+    pk = (p.double() @ k.double()).float()
+    a, b = F.normalize(pk, dim=-1), F.normalize(x.float(), dim=-1)
+    n = p.shape[2]
+    pair = ((a @ a.transpose(-1, -2)) * (b @ b.transpose(-1, -2)).unsqueeze(1)).sum((-1, -2)) - n
+    return {
+        "rank1_cos": (pair / max(n * (n - 1), 1)).mean(0),
+        "mean_term": torch.einsum("bhtd,btc->hdc", pk, x.float()) / (p.shape[0] * n),
+        "delta_term": torch.einsum("bhtd,btc->hdc", delta_err.float().unsqueeze(-1) * pk, x.float()),
     }
 
 
