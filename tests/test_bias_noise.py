@@ -1,17 +1,30 @@
-"""`lowprec experiment bias-noise`: the bias-to-noise statistics on synthetic gradients, and the command on a
-tiny CPU run."""
+"""`lowprec experiment bias-noise`: the bias-to-noise statistics on synthetic gradients, where R comes from on
+planted keys, and the command on a tiny CPU run."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from lowprec.checkpoint import load_checkpoint
 from lowprec.cli import main as lowprec_main
-from lowprec.configs import get_config
-from lowprec.instruments.bias_noise import bias_noise
-from lowprec.train import train
+from lowprec.configs import TrainConfig, apply_overrides, get_config
+from lowprec.instruments.bias_noise import (
+    attention_inputs,
+    bias_noise,
+    format_table,
+    layer_sources,
+    r_alignment,
+    run_batch,
+)
+from lowprec.instruments.lowrank import key_shares
+from lowprec.model import GPT
+from lowprec.runs import load_run
+from lowprec.telemetry import scores
+from lowprec.train import load_tokens, train
 
 
 def test_statistics_recover_a_planted_rank1_bias() -> None:
@@ -37,6 +50,36 @@ def test_statistics_recover_a_planted_rank1_bias() -> None:
     assert math.isinf(same.critical_tokens) and same.drift is None
 
 
+def test_sources_tell_a_planted_sink_from_a_shared_mean_key() -> None:
+    """Keys and inputs with a common offset each: with a sink at key position 0 that every query attends to,
+    key 0 holds M and M's key factor is the sink key, not the mean key; with near-uniform attention M is the
+    mean key x the mean input, spread over many positions."""
+    gen = torch.Generator().manual_seed(0)
+    b, n, d, c = 4, 32, 8, 12
+    e = torch.eye(d)
+    x = torch.randn(c, generator=gen) + 0.3 * torch.randn(b, n, c, generator=gen)
+    keys = e[1] + 0.1 * torch.randn(b, 1, n, d, generator=gen)  # every key: the offset e1 plus a little noise
+    sink_keys = keys.clone()
+    sink_keys[:, :, 0] = 8 * e[0]  # a sink key along e0, which every query (along e0) attends to
+    q_sink = 4 * e[0] + 0.1 * torch.randn(b, 1, n, d, generator=gen)
+    (sink,), k_mean, x_mean = layer_sources(x, q_sink, sink_keys)
+    assert sink["key0_share"] > 0.99 and sink["top_position"] == 0 and sink["half_positions"] == 1
+    assert sink["mean_key_cos"] < 0.3 < 0.99 < sink["mean_input_cos"]  # M = sink key x mean input
+    r = torch.outer(e[0].double(), x_mean / x_mean.norm())  # R = sink key x mean input
+    assert r_alignment(r, k_mean[0], x_mean) == pytest.approx({"r_key_cos": sink["mean_key_cos"],
+                                                               "r_input_cos": 1.0}, abs=1e-3)
+
+    q_flat = 0.01 * torch.randn(b, 1, n, d, generator=gen)  # near-uniform causal attention: no sink
+    (flat,), k_mean, x_mean = layer_sources(x, q_flat, keys)
+    assert flat["key0_share"] < 0.2 and flat["half_positions"] >= 5
+    assert min(flat["mean_key_cos"], flat["mean_input_cos"], flat["pk_energy"]) > 0.99
+    r = torch.outer(k_mean[0] / k_mean[0].norm(), x_mean / x_mean.norm())
+    assert r_alignment(r, k_mean[0], x_mean) == pytest.approx({"r_key_cos": 1.0, "r_input_cos": 1.0})
+    known = r_alignment(torch.outer(e[0], torch.eye(c)[1]), torch.tensor([3.0, 4, 0, 0, 0, 0, 0, 0]),
+                        torch.eye(c)[1] + torch.eye(c)[2])
+    assert known == pytest.approx({"r_key_cos": 0.6, "r_input_cos": 1 / math.sqrt(2)})
+
+
 def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
     cfg = get_config("smoke-cpu", ["attention=emulated/precision=fa2", "dtype=bfloat16", "max_iters=20",
                                    "ckpt_interval=10", "ckpt_keep=true", "telemetry_interval=0",
@@ -57,10 +100,43 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
     assert all(0 < h["rank1"] <= 1 and h["bias_norm"] > 0 and h["steps_to_drift"] > 0 for row in heads
                for h in row)
     assert len(last["emulated/precision=paper"]["alignment"]) == 2  # R compared with the previous checkpoint
-    assert "steps to drift" in capsys.readouterr().out
+    assert all(0 <= h[key] <= 1 + 1e-9 for row in heads for h in row for key in ("r_key_cos", "r_input_cos"))
+    # where R comes from (--keys-batches, default 4): per checkpoint, layer and head
+    assert record["keys_batches"] == 4
+    sources = record["checkpoints"][1]["sources"]
+    assert len(sources) == 2 and all(len(row) == 2 for row in sources)
+    for s in (s for row in sources for s in row):
+        assert 0 <= s["top_position"] < 64 and 1 <= s["half_positions"] <= 64
+        assert abs(s["top_share"]) >= abs(s["key0_share"])
+        assert all(0 <= s[key] <= 1 + 1e-9 for key in ("mean_key_cos", "mean_input_cos", "pk_energy"))
+    out_text = capsys.readouterr().out
+    assert "steps to drift" in out_text and "key0" in out_text
+    # layer 0 (its X, q, k come before any attention) recomputed from the checkpoint on the same batches:
+    # its shares add up to 1 over key positions, and the record holds its numbers
+    run = load_run(tmp_path / "run")
+    cfg = apply_overrides(TrainConfig.from_dict(run.config), ["batch_size=2"])
+    model = GPT(cfg.model)
+    model.load_state_dict(load_checkpoint(Path(ckpts[1]))["model"])
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    tokens = load_tokens(cfg.data).train
+    layer0 = [attention_inputs(model, run_batch(tokens, cfg, 20, i, "cpu")[0], autocast)[0] for i in range(4)]
+    x, q, k = (torch.cat(parts) for parts in zip(*layer0, strict=True))
+    p = torch.softmax(scores(q, k)[0], dim=-1)
+    shares = key_shares(p, k, x)
+    assert shares.sum(-1) == pytest.approx(torch.ones(2, dtype=torch.float64))
+    assert shares[:, 0].tolist() == pytest.approx([s["key0_share"] for s in sources[0]], rel=1e-4, abs=1e-9)
+    for found, recorded in zip(layer_sources(x, q, k)[0], sources[0], strict=True):
+        assert found == pytest.approx(recorded, rel=1e-4, abs=1e-9)  # the record keeps 6 digits
+    # a record without the new numbers (--keys-batches 0, or an old record) still prints
+    old = {**record, "checkpoints": [{key: value for key, value in c.items() if key != "sources"}
+                                     for c in record["checkpoints"]]}
+    assert "key0" not in format_table(old) and "steps to drift" in format_table(old)
     assert lowprec_main(["experiment", "bias-noise", str(tmp_path / "run"), "--ckpt", ckpts[0],
                          "--batches", "1"]) == 2
     assert "--batches must be >= 2" in capsys.readouterr().err
+    assert lowprec_main(["experiment", "bias-noise", str(tmp_path / "run"), "--ckpt", ckpts[0],
+                         "--batches", "4", "--keys-batches", "5"]) == 2
+    assert "--keys-batches must be between 0 and --batches (4), got 5" in capsys.readouterr().err
 
 
 def test_criterion_predicts_the_positive_control() -> None:

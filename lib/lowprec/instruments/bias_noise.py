@@ -18,7 +18,28 @@ batches (`bias_noise`):
   drift overtakes it after steps_to_drift = (walk / drift)² * (tokens per batch / tokens per step) steps.
 
 Across checkpoints, `alignment` is |cos| between each head's R at successive checkpoints (a shared R is the
-paper's Fig. 4). The record (JSON) keeps every number; the table prints the heads with the largest |t|.
+paper's Fig. 4).
+
+Where R comes from (`--keys-batches N`, the first N of the same batches; 0: off): one no-grad forward per
+batch with the high-precision spec keeps each layer's attention input X, q and k; per head, P is the float64
+softmax of the causal scores (soft-capped if the model caps) and M = Σ_T (PK)[T]^T X[T] the mean rank-1 term,
+summed over the N batches (`head_sources`, with lowrank's definitions). Per checkpoint, `sources` (per layer
+and head) holds:
+
+  key0_share      share of key position 0 (the usual attention sink) in M (`lowrank.key_shares`; the shares of
+                  all positions add up to 1)
+  top_share, top_position   the share of largest magnitude and its key position
+  half_positions  the fewest key positions (largest shares first) whose shares add up to 1/2 or more (1: one
+                  key holds half of M)
+  mean_key_cos, mean_input_cos, pk_energy   `lowrank.mean_alignment`: |cos| of M's top left singular vector
+                  with the mean key k̄, of its top right one with the mean input x̄, and the share of ‖PK‖²
+                  along k̄
+
+and each spec's head holds r_key_cos = |cos(u1, k̄)| and r_input_cos = |cos(v1, x̄)| for its R = u1 v1^T
+(`r_alignment`): both near 1 when the error's direction is the mean key x the mean input (a shared offset of
+every key and token); a sink shows as key0_share (or top_share) near 1 with half_positions 1.
+
+The record (JSON) keeps every number; the table prints the heads with the largest |t|.
 """
 
 from __future__ import annotations
@@ -34,8 +55,10 @@ from lowprec.attention import AttentionSpec
 from lowprec.checkpoint import load_checkpoint
 from lowprec.configs import TrainConfig, apply_overrides
 from lowprec.data import sample_batch
+from lowprec.instruments.lowrank import key_shares, mean_alignment
 from lowprec.model import GPT
 from lowprec.runs import load_run, provenance, write_json
+from lowprec.telemetry import scores
 from lowprec.train import load_tokens, make_optimizer
 
 HP_SPEC = "emulated/precision=fp32/o_for_delta=fp32"
@@ -108,8 +131,71 @@ def adam_second_moment(model: GPT, optimizer: torch.optim.Optimizer) -> torch.Te
     return torch.stack(moments)
 
 
+def run_batch(tokens, cfg: TrainConfig, step: int, i: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's own batch i from checkpoint step `step` on (the batches of its next optimizer steps)."""
+    return sample_batch(tokens, cfg.seed, step * cfg.grad_accum + i, cfg.batch_size, cfg.model.block_size,
+                        device=device)
+
+
+def attention_inputs(model: GPT, idx: torch.Tensor, autocast) -> list[tuple[torch.Tensor, ...]]:
+    """Per attention layer (X, q, k) of one no-grad forward of `model` on token ids idx: the attention input
+    (B, T, C) and the q, k the attention saw (B, H, T, D), through the layers' probe (as telemetry does)."""
+    layers = model.attention_layers()
+    saved: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def probe(layer, x_in, q, k, v, o):
+        saved[layer] = (x_in.detach(), q.detach(), k.detach())
+
+    for attn in layers:
+        attn.probe = probe
+    try:
+        with torch.no_grad(), autocast:
+            model(idx)
+    finally:
+        for attn in layers:
+            attn.probe, attn.stats = None, None  # the probe makes stat-keeping backends keep stats
+    return [saved[i] for i in range(len(layers))]
+
+
+def head_sources(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor) -> dict:
+    """Where one head's mean rank-1 term M = Σ_T (PK)[T]^T X[T] comes from (module docstring: key0_share,
+    top_share, top_position, half_positions, mean_key_cos, mean_input_cos, pk_energy).
+
+    p: (B, T, N) probabilities, k: (B, N, D) keys, x: (B, T, C) attention inputs; sums run over B."""
+    ones = torch.ones(p.shape[:2], dtype=torch.float64, device=p.device).unsqueeze(1)
+    p, k = p.unsqueeze(1), k.unsqueeze(1)
+    shares = key_shares(p, k, x, ones)[0].cpu()
+    align = {name: float(value[0]) for name, value in mean_alignment(p, k, x, ones).items()}
+    top = int(shares.abs().argmax())
+    ranked = shares.sort(descending=True).values
+    return {"key0_share": float(shares[0]), "top_share": float(shares[top]), "top_position": top,
+            "half_positions": int((ranked.cumsum(0) < 0.5).sum()) + 1,
+            "mean_key_cos": align["key"], "mean_input_cos": align["input"], "pk_energy": align["pk_energy"]}
+
+
+def layer_sources(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  softcap: float = 0.0) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
+    """`head_sources` of every head of one layer from its captured X (B, T, C), q, k (B, H, T, D), one head at
+    a time (P is B x T x T float64); also the mean keys (H, D) and the mean input (C,), float64 on the CPU."""
+    out = []
+    for head in range(q.shape[1]):
+        s64, _ = scores(q[:, head:head + 1], k[:, head:head + 1], softcap)
+        p = torch.softmax(s64, dim=-1)[:, 0]
+        out.append(head_sources(p, k[:, head], x))
+    return out, k.double().mean((0, 2)).cpu(), x.double().mean((0, 1)).cpu()
+
+
+def r_alignment(r: torch.Tensor, k_mean: torch.Tensor, x_mean: torch.Tensor) -> dict[str, float]:
+    """|cos| of R = u1 v1^T's (unit u1, v1) left factor with k_mean and of its right one with x_mean:
+    ‖k^T R‖ / ‖k‖ and ‖R x‖ / ‖x‖."""
+    r, k_mean, x_mean = r.double(), k_mean.double(), x_mean.double()
+    return {"r_key_cos": float((k_mean @ r).norm() / k_mean.norm()),
+            "r_input_cos": float((r @ x_mean).norm() / x_mean.norm())}
+
+
 def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, batches: int,
-            batch_size: int | None, overrides: list[str]) -> dict:
+            batch_size: int | None, overrides: list[str], keys_batches: int = 0) -> dict:
     """The record of `lowprec experiment bias-noise` (module docstring)."""
     run = load_run(run_dir)
     cfg = apply_overrides(TrainConfig.from_dict(run.config), overrides)
@@ -123,7 +209,7 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
     model = GPT(cfg.model).to(device)
     tokens_per_batch = cfg.batch_size * cfg.model.block_size
     record: dict = {"run": str(run_dir), "hp": str(hp_spec), "specs": [str(s) for s in lp_specs],
-                    "batches": batches, "tokens_per_batch": tokens_per_batch,
+                    "batches": batches, "keys_batches": keys_batches, "tokens_per_batch": tokens_per_batch,
                     "tokens_per_step": run.config["batch_size"] * run.config["grad_accum"]
                     * run.config["model"]["block_size"], "eps": cfg.eps, "checkpoints": []}
     previous: dict[str, torch.Tensor] = {}
@@ -134,9 +220,8 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
         optimizer.load_state_dict(state["optimizer"])
         v = adam_second_moment(model, optimizer)
         grads: dict[str, list[torch.Tensor]] = {str(s): [] for s in [hp_spec, *lp_specs]}
-        for i in range(batches):  # the run's own batches from its checkpoint step on
-            x, y = sample_batch(data.train, cfg.seed, state["step"] * cfg.grad_accum + i, cfg.batch_size,
-                                cfg.model.block_size, device=device)
+        for i in range(batches):
+            x, y = run_batch(data.train, cfg, state["step"], i, device)
             for spec in [hp_spec, *lp_specs]:
                 for attn in model.attention_layers():
                     attn.spec = spec
@@ -146,7 +231,20 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
                 loss.backward()
                 grads[str(spec)].append(wq_grads(model).cpu())
         g_hp = torch.stack(grads[str(hp_spec)])  # (batches, layers, heads, head_dim, n_embd)
-        entry = {"path": str(path), "step": state["step"], "specs": {}}
+        entry: dict = {"path": str(path), "step": state["step"], "specs": {}}
+        means = None  # per layer: (mean keys (H, D), mean input (C,))
+        if keys_batches:
+            for attn in model.attention_layers():
+                attn.spec = hp_spec
+            captured = [attention_inputs(model, run_batch(data.train, cfg, state["step"], i, device)[0],
+                                         autocast) for i in range(keys_batches)]
+            entry["sources"], means = [], []
+            for layer in range(len(captured[0])):
+                x, q, k = (torch.cat([c[layer][j] for c in captured]) for j in range(3))
+                heads_sources, k_mean, x_mean = layer_sources(x, q, k, cfg.model.attn_softcap)
+                entry["sources"].append(heads_sources)
+                means.append((k_mean, x_mean))
+            del captured
         for spec in lp_specs:
             g_lp = torch.stack(grads[str(spec)])
             heads, directions = [], []
@@ -156,7 +254,10 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
                     stats, r = bias_noise(g_lp[:, layer, head], g_hp[:, layer, head], tokens_per_batch,
                                           record["tokens_per_step"],
                                           None if v is None else v[layer, head].cpu(), cfg.eps)
-                    row.append(stats.to_dict())
+                    found = stats.to_dict()
+                    if means is not None:
+                        found.update(r_alignment(r, means[layer][0][head], means[layer][1]))
+                    row.append(found)
                     directions.append(r)
                 heads.append(row)
             directions_t = torch.stack(directions)
@@ -171,21 +272,36 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
 
 
 def format_table(record: dict, rows: int = 8) -> str:
-    """The heads with the largest |t| per checkpoint and spec."""
+    """The heads with the largest |t| per checkpoint and spec; with `sources` in the record, three more
+    columns: key position 0's share of the mean term M, |cos| of R's u1 with the mean key and of its v1 with
+    the mean input."""
     lines = []
     for entry in record["checkpoints"]:
+        sources = entry.get("sources")
         for spec, result in entry["specs"].items():
             lines.append(f"step {entry['step']}  {spec}  vs {record['hp']}  "
                          f"({record['batches']} batches of {record['tokens_per_batch']} tokens)")
-            lines.append(f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
-                         f"{'crit. tokens':>13} {'steps to drift':>15}")
+            header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
+                      f"{'crit. tokens':>13} {'steps to drift':>15}")
+            if sources is not None:
+                header += f" {'key0':>6} {'u1·k':>6} {'v1·x':>6}"
+            lines.append(header)
             flat = [(layer, head, h) for layer, row in enumerate(result["heads"])
                     for head, h in enumerate(row)]
             for layer, head, h in sorted(flat, key=lambda x: -abs(x[2]["t"]))[:rows]:
                 steps = "-" if h["steps_to_drift"] is None else f"{h['steps_to_drift']:.3g}"
-                lines.append(f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} "
-                             f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
-                             f"{steps:>15}")
+                line = (f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} "
+                        f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
+                        f"{steps:>15}")
+                if sources is not None:
+                    line += f" {sources[layer][head]['key0_share']:>6.3f}" + "".join(
+                        f" {h[key]:>6.3f}" if key in h else f" {'-':>6}"
+                        for key in ("r_key_cos", "r_input_cos"))
+                lines.append(line)
+            if sources is not None:
+                lines.append(f"  key0: key position 0's share of the mean term M ({record['keys_batches']} "
+                             "batches); u1·k, v1·x: |cos| of R's singular vectors with the mean key and "
+                             "the mean input")
     return "\n".join(lines)
 
 
@@ -198,6 +314,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="low-precision attention spec(s) to test (default: the run's own)")
     parser.add_argument("--hp", default=HP_SPEC, help=f"high-precision reference spec (default {HP_SPEC})")
     parser.add_argument("--batches", type=int, default=32, help="batches per checkpoint (default 32)")
+    parser.add_argument("--keys-batches", type=int, default=4,
+                        help="the first N batches also give each head's key shares and mean alignment, and "
+                             "R's alignment with the mean key and input (default 4; 0: off)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="sequences per batch (default: the run's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
@@ -208,11 +327,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.batches < 2:
         raise ValueError(f"--batches must be >= 2 (the noise is a spread over batches), got {args.batches}")
+    if not 0 <= args.keys_batches <= args.batches:
+        raise ValueError(f"--keys-batches must be between 0 and --batches ({args.batches}), got "
+                         f"{args.keys_batches}")
     for path in args.ckpt:
         if not path.is_file():
             raise ValueError(f"--ckpt {path} is not a file")
     specs = args.specs or [load_run(args.run).config["model"]["attention"]]
-    record = measure(args.run, args.ckpt, specs, args.hp, args.batches, args.batch_size, args.overrides)
+    record = measure(args.run, args.ckpt, specs, args.hp, args.batches, args.batch_size, args.overrides,
+                     args.keys_batches)
     record["provenance"] = provenance()
     print(format_table(record))
     if args.out:
