@@ -27,11 +27,11 @@ book: setup
 		rm -rf _build/.jupyter_cache _build/.doctrees; fi
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .
 
-# Two workers, one file at a time each; tests/test_book.py first, so that the site build (the longest single
-# job: it executes every chapter) starts at once on one worker while the other runs the rest.
+# Two workers, one file at a time each, in collection order; tests/conftest.py puts tests/test_book.py first, so
+# that the site build (the longest single job: it executes every chapter) starts at once on one worker.
 test: setup
 	$(PY) -m ruff check lib tests book _ext
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests/test_book.py tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
 # Exploring changes no file in book/: autosave is off (the lab would otherwise rewrite every opened chapter:
