@@ -6,7 +6,9 @@ rounding points they call. Importing it imports triton_mode.py first: if CUDA is
 TRITON_INTERPRET is unset, that sets TRITON_INTERPRET=1 itself (before triton is imported; a clear error if
 triton was imported earlier), and under TRITON_INTERPRET=1 (CPU) it applies interpreter.py's patch, with
 which the kernels are bit-identical to emulated_attention (o, lse, delta, dq, dk, dv, counters) for
-round-to-nearest precisions.
+round-to-nearest precisions. (It is a little over 450 lines because launch, autotune, autograd and the
+ahead-of-time compile all read the same autotune tables and argument packing; split, each would import the
+others' internals.)
 
 Inputs: q (B, H, Nq, D), k and v (B, H_kv, Nk, D), H a multiple of H_kv (grouped-query / multi-query
 attention: query head h reads key/value head h // (H // H_kv)), causal masks aligned bottom-right (query i
