@@ -3,13 +3,17 @@ cures' harness callables, the Fix's own bias at a shared maximum, and the positi
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 from lowprec.analysis import BIASED_T, ErrorStats
 from lowprec.attention import Fix, Precision, emulated_attention
+from lowprec.attention.flash import INTERPRET
+from lowprec.cli import main as lowprec_main
 from lowprec.formats import FORMATS, round_to
+from lowprec.instruments import cures as cures_module
 from lowprec.instruments.bias import CASES, bias_of
 from lowprec.instruments.cures import (
     CURES,
@@ -139,3 +143,31 @@ def test_run_cure_runs_any_precision():
     assert Precision.parse("consistent").norm == "rounded"
     with pytest.raises(ValueError):
         run_cure(cfg, Cure("fa2"), optimizer="lion")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="bit identity holds under the Triton interpreter")
+def test_kernel_cures_are_the_emulator_bit_for_bit():
+    """Every deterministic cure gives the same rows through our Triton kernel as through the emulator (the
+    kernel's stochastic bits are its own seeded hash, not the emulator's generator)."""
+    family = [FAMILIES[2]]
+    deterministic = [c for c in CURES if not Precision.parse(c.precision).stochastic()]
+    assert deterministic != list(CURES)
+    kernel = cure_table(deterministic, family, rows=64, kernel=True)
+    assert cure_table(deterministic, family, rows=64) == kernel
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU path runs the kernel in the Triton interpreter")
+def test_measure_cures_records_bias_and_cost(tmp_path, monkeypatch, capsys):
+    picked = (CURES[0], CURES[1], next(c for c in CURES if c.fp32_store))
+    monkeypatch.setattr(cures_module, "CURES", picked)
+    monkeypatch.setattr(cures_module, "FAMILIES", FAMILIES[:1])
+    assert lowprec_main(["measure", "cures", "--out", str(tmp_path), "--smoke"]) == 0
+    record = json.loads((tmp_path / "cures.json").read_text())
+    assert [r["impl"] for r in record["bias"]] == [c.name for c in picked] and record["bias_errors"] == {}
+    assert record["provenance"]["torch"] and set(record["seconds"]) == {"bias", "cost"}
+    cost = {(r["cure"], r["causal"]): r for r in record["cost"]}
+    assert set(cost) == {(c.name, causal) for c in picked for causal in (False, True)}
+    assert cost["none (fa2)", True]["fwd+bwd_vs_fa2"] == 1.0 and cost["Fix", False]["fwd_ms"] > 0
+    assert "must fit in q's dtype" in cost[picked[2].name, True]["error"]  # the kernel stores O in bf16
+    assert lowprec_main(["measure", "cures", "--out", str(tmp_path), "--smoke", "--rows", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--rows must be >= 1, got 0")

@@ -21,12 +21,15 @@ def test_arm_specs_name_the_attention_they_run():
     assert str(arm_spec("paper64")) == "triton/precision=paper:tile=64"
     assert arm_spec("paper64-fp32pv-fix") == AttentionSpec.parse(
         "triton/precision=paper:tile=64,weights=none,product=none,accumulator=none/fix=2")
-    for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv"):
+    assert str(arm_spec("kbit3-consistent-fix")) == "triton/precision=consistent:weights=e8m3/fix=2"
+    assert str(arm_spec("fa2-consistent")) == "triton/precision=consistent"
+    for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv", "kbit3-consistent"):
         GPTConfig(attention=arm_spec(arm))  # every arm is a valid model spec
-    for bad in ("fa3", "ones", "ones12", "fix", "paper"):
+    for bad in ("fa3", "ones", "ones12", "fix", "paper", "consistent", "kbit3-fix-consistent"):
         with pytest.raises(ValueError, match="unknown arm"):
             arm_spec(bad)
-    for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv"):
+    for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv",
+                "kbit3-consistent-fix", "fa2-consistent"):
         assert arm_of(str(arm_spec(arm))) == arm
     assert arm_of("triton/precision=paper:tile=64/fix=2.0") == "paper64-fix"  # as the records name it
     with pytest.raises(ValueError, match="no explode arm"):

@@ -27,6 +27,8 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     "measure": {
         "suite": ("lowprec.instruments.gpu_suite",
                   "correctness, fuzz and bias of the real attention kernels (GPU; --smoke on a CPU)"),
+        "cures": ("lowprec.instruments.cures",
+                  "bias and cost of every cure of the rounding bias in our kernel (GPU; --smoke on a CPU)"),
     },
     "experiment": {
         "positive-control": ("lowprec.instruments.positive_control",

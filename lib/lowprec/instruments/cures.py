@@ -13,20 +13,38 @@
   is exactly r, over a grid of beta and r.
 - Positive control (`run_cure`): `positive_control.run_arm` for any Cure (same init, data, optimizer and
   summary numbers: drift along R, collapse, task lost), without the per-step gradient telemetry.
+- On the GPU (`lowprec measure cures --out DIR`): every cure's bias on every family with our Triton kernel
+  (`Cure.impl(kernel=True)`, 64 x 64 tiles as the emulator's default) and its cost, fwd and fwd+bwd against
+  plain fa2, timed interleaved in one process (`bench_attention.bench_config`); `DIR/cures.json`.
+  `--smoke` runs tiny sizes on a CPU through Triton's interpreter.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from lowprec.analysis import ErrorStats
 from lowprec.attention import Fix, Precision, Rounding, emulated_attention, reference_attention
 from lowprec.attention.precision import INPUT, POINTS
 from lowprec.formats import FORMATS, Format, round_to
-from lowprec.instruments.bias import CASES, SEQ, BiasResult, Case, Rows, as_case, bias_of, target_scores
+from lowprec.instruments.bias import (
+    CASES,
+    SEQ,
+    BiasResult,
+    Case,
+    Rows,
+    as_case,
+    bias_of,
+    format_table,
+    target_scores,
+)
 from lowprec.instruments.positive_control import ControlConfig, single_thread, train_w_q
 
 SCALE = 0.125  # softmax scale of the cure rows (a power of two: module docstring)
@@ -135,9 +153,10 @@ class Cure:
         """The output point is unrounded: the backward's δ uses the fp32 O, not the stored (cast) one."""
         return Precision.parse(self.precision).output.fmt is None
 
-    def impl(self, seed: int = 1, **options) -> Callable[..., torch.Tensor]:
+    def impl(self, seed: int = 1, kernel: bool = False, **options) -> Callable[..., torch.Tensor]:
         """f(q, k, v) -> the O the backward uses (non-causal, SCALE), for bias_of; `seed` drives stochastic
-        rounding, `options` go to emulated_attention (e.g. block_n, return_stats)."""
+        rounding; `options` go to emulated_attention (e.g. block_n, return_stats), or with `kernel` to our
+        Triton kernel, flash_attention (64 x 64 tiles unless given)."""
         gen = torch.Generator().manual_seed(seed)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -145,6 +164,11 @@ class Cure:
             if self.fp32_store:  # the same forward on fp32 copies: O = acc / l, unrounded
                 precision = pinned(precision, q.dtype)
                 q, k, v = q.float(), k.float(), v.float()
+            if kernel:
+                from lowprec.attention.flash import flash_attention  # triton only when asked for
+
+                return flash_attention(q, k, v, causal=False, scale=SCALE, precision=precision, fix=self.fix,
+                                       seed=seed, **{"block_m": 64, "block_n": 64} | options)
             return emulated_attention(q, k, v, causal=False, scale=SCALE, precision=precision, fix=self.fix,
                                       generator=gen, **options)
 
@@ -168,13 +192,16 @@ CURES: tuple[Cure, ...] = (
 
 
 @single_thread()
-def cure_table(cures: Sequence[Cure], families: Sequence[Family], rows: int = 4096,
-               seed: int = 0) -> list[BiasResult]:
-    """bias_of for every (cure, family), families outermost; the same rows for every cure."""
+def cure_table(cures: Sequence[Cure], families: Sequence[Family], rows: int = 4096, seed: int = 0,
+               kernel: bool = False, device: str | torch.device = "cpu") -> list[BiasResult]:
+    """bias_of for every (cure, family), families outermost; the same rows for every cure; with `kernel`, our
+    Triton kernel on `device` instead of the emulator (a cure the kernel rejects raises its ValueError)."""
     results = []
     for family in families:
         data = family.rows(rows, seed)
-        results += [bias_of(cure.impl(seed + 1), data, cure.name) for cure in cures]
+        moved = {name: getattr(data, name).to(device) for name in ("q", "k", "v", "do", "o_ref")}
+        data = replace(data, **moved)
+        results += [bias_of(cure.impl(seed + 1, kernel), data, cure.name) for cure in cures]
     return results
 
 
@@ -223,6 +250,83 @@ def run_cure(cfg: ControlConfig, cure: Cure, optimizer: str = "adam") -> dict:
     return train_w_q(cfg, cure.precision, cure.fix, optimizer)
 
 
+# ------------------------------------------------------------------------------- `lowprec measure cures`
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="folder for cures.json (created if missing)")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="rows per input family (default 100000 on a GPU, 64 with --smoke)")
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length of the cost benchmark")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension of the cost benchmark")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the benchmark")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on a CPU via the interpreter)")
+
+
+def cost_table(cures: Sequence[Cure], seq: int, head_dim: int, device: str, rounds: int,
+               tokens: int = 16384, hidden: int = 2048) -> list[dict]:
+    """Per causal setting and cure: fwd, bwd, fwd+bwd ms of our kernel with the cure's precision and Fix
+    (bench_attention.bench_config, interleaved), and its time over plain fa2's ("error" if the kernel
+    rejects the cure)."""
+    from lowprec.attention.flash import flash_attention
+    from lowprec.instruments.bench_attention import MODES, bench_config
+
+    impls = {c.name: functools.partial(flash_attention, precision=c.precision, fix=c.fix) for c in cures}
+    batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
+    rows = []
+    for causal in (False, True):
+        measured = bench_config(impls, batch, heads, seq, head_dim, causal, device, rounds)
+        base = measured.get(cures[0].name, {})
+        for name, result in measured.items():
+            row = {"cure": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
+                   "causal": causal} | result
+            for mode in MODES:
+                if f"{mode}_ms" in result and f"{mode}_ms" in base:
+                    row[f"{mode}_vs_fa2"] = round(result[f"{mode}_ms"] / base[f"{mode}_ms"], 4)
+            rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowprec.runs import provenance, write_json  # records layer, imported only by this command
+    from tqdm import tqdm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise ValueError("no CUDA device: run with --smoke (tiny sizes through Triton's interpreter)")
+    for name in ("rows", "seq", "head_dim", "rounds"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    rows = args.rows or (64 if args.smoke else 100_000)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict = {"provenance": provenance(), "args": vars(args), "device": device, "bias": [],
+                    "bias_errors": {}, "cost": [], "seconds": {}}
+    start = time.perf_counter()
+    for family in tqdm(FAMILIES, desc="bias", mininterval=10):
+        for cure in CURES:
+            try:
+                record["bias"] += [r.to_dict() for r in cure_table([cure], [family], rows, kernel=True,
+                                                                    device=device)]
+            except ValueError as exc:  # the kernel does not run this cure: recorded, not fatal
+                record["bias_errors"][cure.name] = str(exc)
+        write_json(out / "cures.json", record)
+    record["seconds"]["bias"] = round(time.perf_counter() - start, 1)
+    start = time.perf_counter()
+    seq, head_dim = (64, 16) if args.smoke else (args.seq, args.head_dim)
+    record["cost"] = cost_table(CURES, seq, head_dim, device, 1 if args.smoke else args.rounds,
+                                tokens=128 if args.smoke else 16384, hidden=32 if args.smoke else 2048)
+    record["seconds"]["cost"] = round(time.perf_counter() - start, 1)
+    write_json(out / "cures.json", record)
+    print(format_table(BiasResult.from_dict(d) for d in record["bias"]))
+    for row in record["cost"]:
+        ratios = ", ".join(f"{m} x{row[m + '_vs_fa2']:.3f}" for m in ("fwd", "fwd+bwd")
+                           if m + "_vs_fa2" in row)
+        print(f"{row['cure']:<18} causal={row['causal']!s:<5} {ratios or row.get('error', '')}")
+    print(f"wrote {out / 'cures.json'}")
+    return 0
+
+
 __all__ = [
     "CURES",
     "FAMILIES",
@@ -230,6 +334,7 @@ __all__ = [
     "Cure",
     "Family",
     "cure_rows",
+    "cost_table",
     "cure_table",
     "failure_map",
     "pinned",

@@ -19,7 +19,10 @@ Arms are short names for attention specs (`arm_spec`):
   onesK          fa2, but P̄ within 2^-(K+2) of 1 rounds to 1.0 (Precision "fa2:weights=e8mK@ones"): the
                  paper's error, P̄ = 1 for near-maximal scores, with a wider window and nothing else
   kbitK          fa2 with every P̄ rounded to K significand bits ("fa2:weights=e8mK")
-  <arm>-fix      the same with the paper's Fix(beta=2) (its tie tolerance follows P̄'s format)
+  <arm>-consistent  the same with l summed from the rounded P̄ that enter P̄V (norm=rounded; "fa2-consistent"
+                 is Precision "consistent"), chapter 5's rounded-weight normalisation
+  <arm>-fix      the same with the paper's Fix(beta=2) (its tie tolerance follows P̄'s format); last, e.g.
+                 "kbit3-consistent-fix"
 `--backend emulated` swaps the Triton kernel for the pure-PyTorch emulator (CPU tests).
 """
 
@@ -34,11 +37,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from lowprec.analysis import format_runs, run_summary
-from lowprec.attention import AttentionSpec, Fix
+from lowprec.attention import AttentionSpec, Fix, Precision
 from lowprec.attention.spec import backends_with
 from lowprec.configs import CONFIGS, get_config
 from lowprec.runs import check_target, provenance, write_json
@@ -46,6 +50,7 @@ from lowprec.runs import check_target, provenance, write_json
 PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
               "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none"}
 FIX = Fix(beta=2.0)
+CONSISTENT = "-consistent"
 FIX_BACKENDS = backends_with("fix")
 POLL_S = 1.0
 
@@ -55,7 +60,9 @@ def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
     triton/precision=fa2:weights=e8m3@ones/fix=2."""
     if backend not in FIX_BACKENDS:
         raise ValueError(f"backend must be one of {FIX_BACKENDS}, got {backend!r}")
-    base, fix = (arm[:-4], True) if arm.endswith("-fix") else (arm, False)
+    base, fix = (arm.removesuffix("-fix"), True) if arm.endswith("-fix") else (arm, False)
+    base, consistent = ((base.removesuffix(CONSISTENT), True) if base.endswith(CONSISTENT)
+                        else (base, False))
     match = re.fullmatch(r"(ones|kbit)(\d)", base)
     if match:
         precision = f"fa2:weights=e8m{match[2]}" + ("@ones" if match[1] == "ones" else "")
@@ -63,7 +70,9 @@ def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
         precision = PLACEMENTS[base]
     else:
         raise ValueError(f"unknown arm {arm!r}: use {', '.join(PLACEMENTS)}, onesK or kbitK "
-                         "(K = 1..9 significand bits), optionally with '-fix'")
+                         "(K = 1..9 significand bits), optionally with '-consistent', then '-fix'")
+    if consistent:
+        precision = replace(Precision.parse(precision), norm="rounded")
     return AttentionSpec(backend, precision, FIX if fix else None)
 
 
@@ -74,6 +83,7 @@ def arm_of(spec: AttentionSpec | str) -> str:
     if spec.fix not in (None, FIX) or spec.backend not in FIX_BACKENDS:
         raise ValueError(f"no explode arm runs {str(spec)!r}")
     bases = [*PLACEMENTS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
+    bases += [b + CONSISTENT for b in bases]
     base = next((b for b in bases if arm_spec(b, spec.backend) == spec.with_fix(None)), None)
     if base is None:
         raise ValueError(f"no explode arm runs {str(spec)!r}")
@@ -127,7 +137,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="gpu-6l", choices=sorted(CONFIGS), help="training config")
     parser.add_argument("--arms", default="ones2,ones2-fix,fp32pv",
                         help="comma-separated arms (module docstring): fa2, paper64, fp32pv, "
-                             "paper64-fp32pv, onesK, kbitK, each optionally with -fix")
+                             "paper64-fp32pv, onesK, kbitK, each optionally with -consistent, then -fix")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
     parser.add_argument("--gpus", type=int, default=None,
