@@ -62,10 +62,13 @@ def test_attention_spec_parsing():
     from lowprec.attention import Fix, Precision
     spec = AttentionSpec.parse("emulated/precision=paper:tile=none/fix=2/block_m=64")
     assert (spec.backend, spec.options) == ("emulated", (("block_m", 64),))
-    layer_kw = spec.kwargs()
-    assert layer_kw["precision"] == Precision.parse("paper:tile=none") and layer_kw["fix"] == Fix(beta=2.0)
+    layer_kw = spec.kwargs()  # plain values (str, int, None): torch.compile keeps them as constants
+    assert layer_kw == {"block_m": 64, "precision": "paper:tile=none", "fix": "2"}
+    assert Precision.parse(layer_kw["precision"]) == spec.precision and Fix.parse(layer_kw["fix"]) == spec.fix
     assert AttentionSpec.parse("emulated/fix=none").kwargs()["fix"] is None
-    assert AttentionSpec.parse("emulated/fix=true").kwargs()["fix"] == Fix()
+    assert Fix.parse(AttentionSpec.parse("emulated/fix=true").kwargs()["fix"]) == Fix()
+    layer_kw["fix"] = "3"
+    assert spec.kwargs()["fix"] == "2"  # a copy each call
     with pytest.raises(ValueError, match="backend must be one of"):
         AttentionSpec.parse("flash2")
     with pytest.raises(ValueError, match="key=value"):

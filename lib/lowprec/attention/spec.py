@@ -95,6 +95,10 @@ class AttentionSpec:
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "fix", fix)
         object.__setattr__(self, "options", tuple(sorted(options.items())))
+        call = dict(self.options)
+        if caps.precision:
+            call.update(precision=precision.spec, fix=None if fix is None else fix.spec)
+        object.__setattr__(self, "_call", call)  # not a field: kwargs(), rendered once
 
     @classmethod
     def parse(cls, spec: AttentionSpec | str) -> AttentionSpec:
@@ -160,11 +164,10 @@ class AttentionSpec:
         return one_threshold(weights.resolve(dtype))
 
     def kwargs(self) -> dict[str, object]:
-        """The keywords `attention()` passes to the backend's function."""
-        kw: dict[str, object] = dict(self.options)
-        if self.caps.precision:
-            kw.update(precision=self.precision, fix=self.fix)
-        return kw
+        """The keywords `attention()` passes to the backend's function: the options, and precision and fix as
+        their spec strings. Plain values, rendered at construction: torch.compile (2.11) cannot turn a frozen
+        dataclass met while tracing back into a constant, which the kernel's option check needs."""
+        return dict(self._call)
 
     def accepts(self, keywords: set[str]) -> None:
         """ValueError naming the keywords a call may not pass to this backend."""
