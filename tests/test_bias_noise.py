@@ -50,6 +50,20 @@ def test_statistics_recover_a_planted_rank1_bias() -> None:
     assert math.isinf(same.critical_tokens) and same.drift is None
 
 
+@pytest.mark.parametrize("batches", [8, 32])
+def test_noise_alone_is_not_biased(batches: int) -> None:
+    """A gradient error of pure noise in a head-sized slice (64 x 384): the cross-fitted t stays small.
+    Projected on the top singular direction of its own mean, the same noise gives t ~ 28 every time."""
+    gen = torch.Generator().manual_seed(batches)
+    ts = []
+    for _ in range(40):
+        g_hp = torch.randn(batches, 64, 384, generator=gen)
+        stats, _ = bias_noise(g_hp + 0.1 * torch.randn(batches, 64, 384, generator=gen), g_hp, 1000, 1000)
+        ts.append(stats.t)
+    assert sum(abs(t) >= 4 for t in ts) <= 2, ts
+    assert abs(sum(ts) / len(ts)) < 1.0  # centred on 0
+
+
 def test_sources_tell_a_planted_sink_from_a_shared_mean_key() -> None:
     """Keys and inputs with a common offset each: with a sink at key position 0 that every query attends to,
     key 0 holds M and M's key factor is the sink key, not the mean key; with near-uniform attention M is the
@@ -97,8 +111,8 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
     assert set(last) == {"emulated/precision=fa2", "emulated/precision=paper"}
     heads = last["emulated/precision=paper"]["heads"]
     assert len(heads) == 2 and len(heads[0]) == 2  # smoke-cpu: 2 layers x 2 heads
-    assert all(0 < h["rank1"] <= 1 and h["bias_norm"] > 0 and h["steps_to_drift"] > 0 for row in heads
-               for h in row)
+    assert all(0 < h["rank1"] <= 1 and math.isfinite(h["bias_norm"]) and h["steps_to_drift"] > 0
+               for row in heads for h in row)  # cross-fitted bias_norm: about 0, either sign, without a bias
     assert len(last["emulated/precision=paper"]["alignment"]) == 2  # R compared with the previous checkpoint
     assert all(0 <= h[key] <= 1 + 1e-9 for row in heads for h in row for key in ("r_key_cos", "r_input_cos"))
     # where R comes from (--keys-batches, default 4): per checkpoint, layer and head
