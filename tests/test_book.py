@@ -112,6 +112,19 @@ def test_chapter_executes(build: Build, path: Path) -> None:
     assert not errors, f"{page.relative_to(SITE)} shows {len(errors)} error output(s)"
 
 
+def test_each_chapter_executes_once(build: Build) -> None:
+    """A rebuild executes the chapters side by side (_ext/execute_chapters.py) and the site build renders each
+    of them from the execution cache instead of executing it again."""
+    if not build.log:
+        pytest.skip("the site was current: nothing was executed")
+    executed = re.findall(r"execute_chapters: (\S+) executed in", build.log)
+    failed = re.findall(r"execute_chapters: (\S+) failed", build.log)
+    cached = re.findall(r"/book/(\S+): Using cached notebook", build.log)
+    assert set(executed) <= set(cached), "every chapter executed beforehand is rendered from the cache"
+    if not failed:
+        assert "Executing notebook" not in build.log, "the build executed a chapter again"
+
+
 ON_GPU = torch.cuda.is_available()
 
 
