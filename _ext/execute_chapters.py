@@ -3,9 +3,9 @@
 The build (myst-nb, execution mode "cache") executes a chapter only when the cache holds no notebook with the
 same code cells and kernelspec, and it executes them one after another. This script runs first (`make book`):
 it reads each chapter the way myst-nb reads it, executes the ones the cache lacks in `--jobs` processes at
-once (longest first, the kernel's working directory is book/, as in the build) and stores each result from
-this process only (the cache is one SQLite database: one writer). The build then renders from the cache. A
-chapter that fails here is not stored: the build executes it again and reports its error as usual.
+once (spawned, longest first, the kernel's working directory is book/, as in the build) and stores each
+result from this process only (the cache is one SQLite database: one writer). The build then renders from the
+cache. A chapter that fails here is not stored: the build executes it again and reports its error as usual.
 
     python _ext/execute_chapters.py --cache _build/.jupyter_cache --jobs 2 book/*.md
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     todo.sort(key=lambda p: p.stat().st_size, reverse=True)  # the longest chapters first
     start = time.perf_counter()
     failed = []
-    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+    spawn = multiprocessing.get_context("spawn")  # fresh interpreters: a forked one can hang on its kernel
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
         for path, notebook, error, seconds in pool.map(execute, todo):
             if error:
                 failed.append(path.name)

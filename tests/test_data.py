@@ -355,6 +355,7 @@ def test_manifest_flags_gpl_and_local_only(tmp_path):
     m = prep.write_dataset(tmp_path, records, get_tokenizer("bytes"), 0.0, {}, "cmd", progress=False)
     assert m["terms"] == ["GPL", "local-only"]
     assert "GPL-2+ derivative" in m["notice"] and "LOCAL USE ONLY (nlpcorpus)" in m["notice"]
+    assert m["provenance"]["git_commit"] and m["provenance"]["command"] == ["cmd"]  # a source checkout
 
 
 def test_cli_errors(tmp_path, capsys):

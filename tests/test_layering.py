@@ -22,7 +22,7 @@ ALLOWED = {
     "checkpoint": {"fsutil"},
     "runs": {"fsutil"},
     "analysis": {"runs"},
-    "data": {"fsutil", "lowprec"},
+    "data": {"fsutil", "runs", "lowprec"},
     "telemetry": {"model", "attention", "formats"},
     "train": {"model", "telemetry", "data", "runs", "configs", "dist", "checkpoint", "fsutil", "lowprec"},
     "replay": {"train", "configs", "dist", "runs", "model", "attention"},

@@ -41,6 +41,7 @@ from lowprec.data.sources import (
 from lowprec.data.tokenizers import EOT_TEXT, GPT2_FILES, check_tokenizer_name, get_tokenizer, sha256_file
 from lowprec.data.tokens import FORMAT, SPLITS, TokenData, data_root, default_data_dir
 from lowprec.fsutil import atomic_write, check_target
+from lowprec.runs import provenance
 
 VAL_FRAC = 0.01
 SAMPLE_DIR = Path(__file__).parent / "sample"
@@ -279,6 +280,7 @@ def _write_splits(out: Path, writers: dict[str, SplitWriter],
         "terms": terms,
         "notice": notice(records),
         "sources": records,
+        "provenance": provenance([command]),  # the commit (and dirty flag) of the data code that wrote it
     }
     with atomic_write(out / "manifest.json") as handle:
         handle.write(json.dumps(manifest, indent=1) + "\n")
