@@ -54,10 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     todo = []
     for path in args.chapters:
         path = path.resolve()
-        if not is_myst_markdown_notebook(path.read_text()) or not read(path).cells:
+        if not is_myst_markdown_notebook(path.read_text()):
+            continue
+        notebook = read(path)  # parsed once here; each worker parses its chapter again for its kernel
+        if not notebook.cells:
             continue
         try:
-            cache.match_cache_notebook(read(path))
+            cache.match_cache_notebook(notebook)
         except KeyError:  # not cached yet
             todo.append(path)
     todo.sort(key=lambda p: p.stat().st_size, reverse=True)  # the longest chapters first
