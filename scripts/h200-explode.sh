@@ -2,6 +2,9 @@
 # The explosion hunt's GPU runs (results/explode/<NAME>/), in two phases so a run may outlive one device call:
 #   PHASE=start   launches `lowprec experiment explode` in its own process session (setsid nohup) and returns
 #   PHASE=status  one line per run: last logged step and loss, largest logit per layer at the last telemetry
+#   PHASE=pack    packs the records as they stand (no checkpoints) into $OUT/$NAME-partial.tgz without waiting:
+#                 end every device call with it, so that a machine given back before the next call (idle
+#                 release, a lost turn) loses only the steps since
 #   PHASE=finish  waits for it, then (unless REPLAYS=0), for every run that diverged and kept checkpoints,
 #                 replays from the last kept checkpoint at least REPLAY_LEAD steps before the explosion with the
 #                 Fix on and off (`lowprec replay`, one GPU each), and packs the records (no checkpoints) into
@@ -35,6 +38,10 @@ if [ "$(echo "$NAME" | wc -w)" -gt 1 ]; then  # several experiments: each phase 
   exit 0
 fi
 EXP=$RUNS/$NAME
+if [ "$PHASE" = pack ]; then
+  tar czf "$OUT/$NAME-partial.tgz" --exclude=checkpoint --exclude=writer.lock -C "$RUNS" "$NAME" "$NAME.log"
+  exit 0
+fi
 if [ "$PHASE" = start ]; then
   mkdir -p "$EXP"
   # shellcheck disable=SC2086
@@ -71,5 +78,5 @@ while read -r name from to; do
 done < "$RUNS/replays.txt"
 wait
 for f in "$EXP"/*-replay-*.log; do [ -e "$f" ] && { echo "== $f"; tail -n 12 "$f"; }; done
-tar czf "$OUT/$NAME.tgz" --exclude=checkpoint -C "$RUNS" "$NAME" "$NAME.log"
+tar czf "$OUT/$NAME.tgz" --exclude=checkpoint --exclude=writer.lock -C "$RUNS" "$NAME" "$NAME.log"
 ls -la "$OUT"

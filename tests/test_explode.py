@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from lowprec.analysis import signature
-from lowprec.attention import AttentionSpec
+from lowprec.attention import AttentionSpec, Precision
 from lowprec.cli import main as lowprec_main
 from lowprec.instruments.explode import arm_of, arm_spec
 from lowprec.model import GPTConfig
@@ -23,13 +24,17 @@ def test_arm_specs_name_the_attention_they_run():
         "triton/precision=paper:tile=64,weights=none,product=none,accumulator=none/fix=2")
     assert str(arm_spec("kbit3-consistent-fix")) == "triton/precision=consistent:weights=e8m3/fix=2"
     assert str(arm_spec("fa2-consistent")) == "triton/precision=consistent"
+    # paper64-fp32pv's two bf16 points one at a time
+    both = arm_spec("paper64-fp32pv").precision
+    assert arm_spec("bf16scores").precision == replace(both, rowsum=Precision.parse("fa2").rowsum)
+    assert arm_spec("bf16rowsum").precision == replace(both, scores=Precision.parse("fa2").scores)
     for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv", "kbit3-consistent"):
         GPTConfig(attention=arm_spec(arm))  # every arm is a valid model spec
     for bad in ("fa3", "ones", "ones12", "fix", "paper", "consistent", "kbit3-fix-consistent"):
         with pytest.raises(ValueError, match="unknown arm"):
             arm_spec(bad)
     for arm in ("fa2", "paper64-fix", "ones2", "kbit5-fix", "fp32pv", "paper64-fp32pv",
-                "kbit3-consistent-fix", "fa2-consistent"):
+                "kbit3-consistent-fix", "fa2-consistent", "bf16scores", "bf16rowsum-fix"):
         assert arm_of(str(arm_spec(arm))) == arm
     assert arm_of("triton/precision=paper:tile=64/fix=2.0") == "paper64-fix"  # as the records name it
     with pytest.raises(ValueError, match="no explode arm"):

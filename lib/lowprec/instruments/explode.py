@@ -16,6 +16,10 @@ Arms are short names for attention specs (`arm_spec`):
   paper64-fp32pv paper64 with P̄, the P̄V result and the running O unrounded (S, l and the stored O stay
                  bf16): the paper's biased rounding removed, its other bf16 points kept (records before the
                  rename: "paper-fp32pv")
+  bf16scores     paper64-fp32pv with the row sum in fp32: of the all-bf16 points only the scores (and the
+                 stored O) stay bf16, at 64-wide tiles
+  bf16rowsum     paper64-fp32pv with the scores in fp32: only the row sum (rounded after every 64-key tile)
+                 and the stored O stay bf16
   onesK          fa2, but P̄ within 2^-(K+2) of 1 rounds to 1.0 (Precision "fa2:weights=e8mK@ones"): the
                  paper's error, P̄ = 1 for near-maximal scores, with a wider window and nothing else
   kbitK          fa2 with every P̄ rounded to K significand bits ("fa2:weights=e8mK")
@@ -48,7 +52,9 @@ from lowprec.configs import CONFIGS, get_config
 from lowprec.runs import check_target, provenance, write_json
 
 PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
-              "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none"}
+              "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none",
+              "bf16scores": "fa2:scores=input,weights=none,tile=64",
+              "bf16rowsum": "fa2:weights=none,rowsum=input,tile=64"}
 FIX = Fix(beta=2.0)
 CONSISTENT = "-consistent"
 FIX_BACKENDS = backends_with("fix")
@@ -137,7 +143,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="gpu-6l", choices=sorted(CONFIGS), help="training config")
     parser.add_argument("--arms", default="ones2,ones2-fix,fp32pv",
                         help="comma-separated arms (module docstring): fa2, paper64, fp32pv, "
-                             "paper64-fp32pv, onesK, kbitK, each optionally with -consistent, then -fix")
+                             "paper64-fp32pv, bf16scores, bf16rowsum, onesK, kbitK, each optionally with "
+                             "-consistent, then -fix")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
     parser.add_argument("--gpus", type=int, default=None,
