@@ -26,7 +26,7 @@ from myst_nb.core.read import is_myst_markdown_notebook, read_myst_markdown_note
 from myst_parser.config.main import MdParserConfig
 from nbformat import NotebookNode
 
-TIMEOUT_S = 600  # _config.yml's execute.timeout
+TIMEOUT_S = 300  # per cell, as _config.yml's execute.timeout (the longest cell takes ~40 s on 2 CPU cores)
 
 
 def read(path: Path) -> NotebookNode:
@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         for path, notebook, error, seconds in pool.map(execute, todo):
             if error:
                 failed.append(path.name)
-                print(f"execute_chapters: {path.name} failed after {seconds:.0f} s (the build reruns it)",
-                      file=sys.stderr)
+                tail = "\n".join(error.strip().splitlines()[-8:])
+                print(f"execute_chapters: {path.name} failed after {seconds:.0f} s (the build reruns it):\n"
+                      f"{tail}", file=sys.stderr)
                 continue
             bundle = CacheBundleIn(notebook, str(path), data={"execution_seconds": seconds})
             cache.cache_notebook_bundle(bundle, check_validity=False, overwrite=True)
