@@ -19,12 +19,15 @@ import sys
 import time
 from pathlib import Path
 
+import kernel_poll  # this folder (the script's own); spawned workers import this module again
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from jupyter_cache.executors.utils import single_nb_execution
 from myst_nb.core.read import is_myst_markdown_notebook, read_myst_markdown_notebook
 from myst_parser.config.main import MdParserConfig
 from nbformat import NotebookNode
+
+kernel_poll.apply()
 
 TIMEOUT_S = 300  # per cell, as _config.yml's execute.timeout (the longest cell takes ~40 s on 2 CPU cores)
 
