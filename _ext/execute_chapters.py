@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import kernel_poll  # this folder (the script's own); spawned workers import this module again
+import yaml
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from jupyter_cache.executors.utils import single_nb_execution
@@ -29,7 +30,9 @@ from nbformat import NotebookNode
 
 kernel_poll.apply()
 
-TIMEOUT_S = 300  # per cell, as _config.yml's execute.timeout (the longest cell takes ~40 s on 2 CPU cores)
+# per cell, the build's own (_config.yml's execute.timeout; the longest cell takes ~40 s on 2 CPU cores)
+CONFIG = Path(__file__).resolve().parents[1] / "_config.yml"
+TIMEOUT_S = yaml.safe_load(CONFIG.read_text())["execute"]["timeout"]
 
 
 def read(path: Path) -> NotebookNode:

@@ -54,17 +54,13 @@ while pgrep -f "experiment explode --out $EXP" > /dev/null; do sleep 5; done
 tail -n 20 "$EXP.log"
 [ "$REPLAYS" = 1 ] || : > "$RUNS/replays.txt"
 [ "$REPLAYS" = 1 ] && python3 - "$EXP" "$REPLAY_LEAD" "$REPLAY_AFTER" > "$RUNS/replays.txt" <<'PY'
-import json, re, sys
+import json, sys
 from pathlib import Path
+from lowprec.replay import replay_window
 exp, lead, after = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 for name, run in json.loads((exp / "experiment.json").read_text())["runs"].items():
-    if run["status"] != "diverged" or "-fix" in run["arm"]:
-        continue
-    steps = sorted(int(m[1]) for p in (exp / name / "checkpoint").glob("ckpt-*.pt")
-                   if (m := re.fullmatch(r"ckpt-(\d+)\.pt", p.name)))
-    before = [s for s in steps if s <= run["diverged_step"] - lead]
-    if before:
-        print(name, before[-1], run["diverged_step"] + after)
+    if "-fix" not in run["arm"] and (window := replay_window(exp / name, lead, after)):
+        print(name, *window)
 PY
 cat "$RUNS/replays.txt"
 gpu=0 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)

@@ -4,7 +4,7 @@
 # call. The run folder is RUNS/NAME/<arm>-s<seed>/, the layout scripts/h200-explode.sh reads, so its
 # PHASE=status and PHASE=pack work on it too (end every device call with PHASE=pack).
 #   PHASE=data    unpacks the corpus shards carried in SHARDS (`lowprec data pack` here; re-run after each
-#                 transfer: every shard is checked against pack.json, applied ones are skipped)
+#                 transfer: every shard is checked against the pack's index, applied ones are skipped)
 #   PHASE=start   starts the training in its own process session and returns
 #   PHASE=finish  waits for it; if it reached the stop rule, replays from the last kept checkpoint at least
 #                 REPLAY_LEAD steps before that step, to REPLAY_AFTER steps after it, with the Fix off and on
@@ -26,7 +26,7 @@ REPLAY_LEAD=${REPLAY_LEAD:-300} REPLAY_AFTER=${REPLAY_AFTER:-300} EXTRA=${EXTRA:
 NPROC=${NPROC:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$NPROC" -gt 0 ] || NPROC=1
 RUN=$RUNS/$NAME/$ARM-s$SEED
-torchrun_() { torchrun --standalone --nproc_per_node="$NPROC" -m lowprec.cli "$@"; }
+LOWPREC="torchrun --standalone --nproc_per_node=$NPROC -m lowprec.cli"
 
 case "$PHASE" in
 data)
@@ -37,34 +37,23 @@ start)
     "$ARM") || exit
   mkdir -p "$RUNS/$NAME"
   # shellcheck disable=SC2086
-  setsid nohup bash -c "$(declare -f torchrun_); NPROC=$NPROC torchrun_ train --config $CONFIG --out $RUN \
-    --set attention=$spec --set seed=$SEED --set max_iters=$STEPS --set data=$DATA --set log_interval=10 \
-    --set telemetry_interval=100 --set ckpt_interval=500 --set ckpt_keep=true --set progress=false $EXTRA" \
-    > "$RUNS/$NAME.log" 2>&1 < /dev/null &
+  setsid nohup $LOWPREC train --config "$CONFIG" --out "$RUN" --set attention="$spec" --set seed="$SEED" \
+    --set max_iters="$STEPS" --set data="$DATA" --set log_interval=10 --set telemetry_interval=100 \
+    --set ckpt_interval=500 --set ckpt_keep=true --set progress=false $EXTRA > "$RUNS/$NAME.log" 2>&1 < /dev/null &
   echo "started $ARM-s$SEED on $NPROC process(es): $spec (log $RUNS/$NAME.log)"
   ;;
 finish)
   while pgrep -f "[l]owprec.cli train --config $CONFIG --out $RUN" > /dev/null; do sleep 5; done
   tail -n 5 "$RUNS/$NAME.log"
   # the replay window: the last kept checkpoint at least REPLAY_LEAD steps before the stop rule fired
-  window=$(python3 - "$RUN" "$REPLAY_LEAD" "$REPLAY_AFTER" <<'PY'
-import json, re, sys
-from pathlib import Path
-run, lead, after = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-if summary.get("diverged_step") is not None:
-    steps = sorted(int(m[1]) for p in (run / "checkpoint").glob("ckpt-*.pt")
-                   if (m := re.fullmatch(r"ckpt-(\d+)\.pt", p.name)))
-    before = [s for s in steps if s <= summary["diverged_step"] - lead]
-    if before:
-        print(before[-1], summary["diverged_step"] + after)
-PY
-)
+  window=$(python3 -c "import sys; from lowprec.replay import replay_window
+w = replay_window(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])); print(*w) if w else None" \
+    "$RUN" "$REPLAY_LEAD" "$REPLAY_AFTER")
   if [ -n "$window" ]; then
     read -r from to <<< "$window"
     for fix in off on; do
       # shellcheck disable=SC2086
-      torchrun_ replay "$RUN" --from "$from" --to "$to" --fix $fix --set progress=false $EXTRA \
+      $LOWPREC replay "$RUN" --from "$from" --to "$to" --fix $fix --set progress=false $EXTRA \
         > "$RUN-replay-$fix.log" 2>&1
       echo "== replay from $from to $to, Fix $fix (exit $?)"; tail -n 4 "$RUN-replay-$fix.log"
     done

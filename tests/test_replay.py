@@ -15,7 +15,7 @@ from lowprec import cli
 from lowprec.attention import AttentionSpec
 from lowprec.configs import get_config
 from lowprec.model import GPTConfig
-from lowprec.replay import compare_runs, find_checkpoint, replay
+from lowprec.replay import compare_runs, find_checkpoint, replay, replay_window
 from lowprec.runs import load_run
 from lowprec.train import CHECKPOINT, train
 
@@ -191,3 +191,15 @@ def test_replay_checks_the_checkpoints_it_reads(original, tmp_path, capsys):
     latest = flip_a_byte(CHECKPOINT)
     assert cli.main(["replay", str(run), "--from", "16", "--steps", "1", "--fix", "off"]) == 0
     assert f"replay: checkpoint {latest} is corrupt" in capsys.readouterr().err
+
+
+def test_replay_window_starts_before_the_stop(original, tmp_path):
+    out, _ = original
+    assert replay_window(out, 10, 5) is None  # the run did not reach the stop rule
+    stopped = tmp_path / "stopped"
+    shutil.copytree(out, stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps({**summary, "status": "diverged", "diverged_step": 20}))
+    assert replay_window(stopped, 10, 5) == (8, 25)  # kept at 8, 16, 24: the last one <= 20 - 10
+    assert replay_window(stopped, 4, 5) == (16, 25)
+    assert replay_window(stopped, 15, 5) is None  # none kept by step 5

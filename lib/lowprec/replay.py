@@ -128,6 +128,20 @@ def find_checkpoint(ckpt_dir: Path, step: int) -> Path:
     return found[step]
 
 
+def replay_window(run_dir: str | Path, lead: int, after: int) -> tuple[int, int] | None:
+    """(from, to) that replay a run which reached the stop rule: its last kept checkpoint at least `lead`
+    steps before the stop, to `after` steps past it; None if the run did not stop or kept none that early."""
+    from lowprec.train import kept_checkpoints, read_config
+
+    run_dir = Path(run_dir)
+    stopped = load_run(run_dir).summary.get("diverged_step")
+    if stopped is None:
+        return None
+    ckpt_dir = Path(read_config(run_dir).ckpt_dir or run_dir / "checkpoint")
+    before = [s for s in kept_checkpoints(ckpt_dir) if s <= stopped - lead] if ckpt_dir.is_dir() else []
+    return (before[-1], stopped + after) if before else None
+
+
 def replay(run_dir: str | Path, from_step: int, fix: bool, beta: float = 2.0, end: int | None = None,
            out: str | Path | None = None, overrides: list[str] | None = None,
            command: list[str] | None = None, callback: Callable[[int, dict], None] | None = None) -> dict:
