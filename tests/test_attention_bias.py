@@ -23,9 +23,11 @@ from lowprec.instruments.bias import (
     ErrorStats,
     adversarial_inputs,
     bias_table,
+    dominant_key_scale_error,
     format_table,
     measure_bias,
 )
+from lowprec.instruments.explode import PLACEMENTS
 
 ROWS = 20_480
 
@@ -157,3 +159,18 @@ def test_gpu_suite_and_bench_run_on_cpu(tmp_path):
     bench = json.loads(out.read_text())
     assert {r["impl"] for r in bench["results"]} >= {"triton", "triton+fix"}
     assert all(r["fwd+bwd_tflops"] > 0 for r in bench["results"] if r["impl"].startswith("triton"))
+
+
+def test_bf16_row_sum_swamps_the_tiles_after_a_dominant_key():
+    """A running row sum kept in bf16 rounds away (or up by a whole ulp) the small sums of the tiles after a
+    dominant key: O's scale is off by percents, one sign per concentration; not with the key in the last tile,
+    and not with fa2's fp32 row sum."""
+    rowsum = functools.partial(emulated_attention, causal=False, precision=PLACEMENTS["bf16rowsum"])
+    fa2 = functools.partial(emulated_attention, causal=False, precision="fa2")
+    for score, sign in ((10.0, -1), (11.0, 1)):
+        first = dominant_key_scale_error(rowsum, score, position=0, heads=2)
+        assert sign * first.scale.mean > 0.01 and sign * first.scale.t > 50, first
+        assert abs(dominant_key_scale_error(fa2, score, position=0, heads=2).scale.mean) < 2e-4
+        assert abs(dominant_key_scale_error(rowsum, score, position=1000, heads=2).scale.mean) < 1e-3
+    with pytest.raises(ValueError, match="position"):
+        dominant_key_scale_error(rowsum, 1.0, position=1024)

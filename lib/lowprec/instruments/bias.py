@@ -275,3 +275,42 @@ def format_table(results: Iterable[BiasResult]) -> str:
 def with_v_mean(case: Case, v_mean: float) -> Case:
     """The same score rows with another V mean (named '<case>@v<mean>')."""
     return replace(case, name=f"{case.name}@v{v_mean:+g}", v_mean=v_mean)
+
+
+@dataclass(frozen=True)
+class ScaleError:
+    """O's relative scale error on long rows with one dominant key (`dominant_key_scale_error`)."""
+
+    top_weight: float  # mean softmax weight of the dominant key
+    scale: ErrorStats  # per row: <o, o_ref> / <o_ref, o_ref> - 1 (positive: O too large)
+
+
+def dominant_key_scale_error(
+    impl: Impl,
+    score: float,
+    position: int,
+    seq: int = 1024,
+    heads: int = 4,
+    head_dim: int = 64,
+    seed: int = 0,
+    **kw,
+) -> ScaleError:
+    """Rows of `seq` keys where key `position` scores `score` and the others ~ N(0, 1) (bf16 q, k, v): the
+    relative error of each row's O along the float64 O. Rounding the row sum of a tile loop shows here, where
+    each row is one tile per 64 keys and the tiles after a dominant key add little to the running sum."""
+    if not 0 <= position < seq:
+        raise ValueError(f"position must be in [0, {seq}), got {position}")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, seq, head_dim, generator=g)
+    k = torch.randn(1, heads, seq, head_dim, generator=g)
+    q[..., -1], k[..., -1] = 1.0, 0.0  # the last coordinate carries the dominant key's score only
+    k[:, :, position] = 0.0
+    k[:, :, position, -1] = score * math.sqrt(head_dim)
+    v = torch.randn(1, heads, seq, head_dim, generator=g) * 0.5 - 1.5
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    out = run_impl(impl, q, k, v, **kw)
+    o = (out[0] if isinstance(out, tuple) else out).double()
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / math.sqrt(head_dim), dim=-1)
+    o_ref = p @ v.double()
+    scale = (o * o_ref).sum(-1) / (o_ref * o_ref).sum(-1) - 1
+    return ScaleError(top_weight=p[..., position].mean().item(), scale=ErrorStats.of(scale))
