@@ -16,6 +16,7 @@ from lowprec.instruments.bias_noise import (
     attention_inputs,
     bias_noise,
     format_table,
+    head_sources,
     layer_sources,
     r_alignment,
     run_batch,
@@ -79,6 +80,7 @@ def test_sources_tell_a_planted_sink_from_a_shared_mean_key() -> None:
     (sink,), k_mean, x_mean = layer_sources(x, q_sink, sink_keys)
     assert sink["key0_share"] > 0.99 and sink["top_position"] == 0 and sink["half_positions"] == 1
     assert sink["mean_key_cos"] < 0.3 < 0.99 < sink["mean_input_cos"]  # M = sink key x mean input
+    assert sink["dominant_rows"] == 1.0 and sink["early_dominant_rows"] == 0.0  # 32 rows: one 64-key tile
     r = torch.outer(e[0].double(), x_mean / x_mean.norm())  # R = sink key x mean input
     assert r_alignment(r, k_mean[0], x_mean) == pytest.approx({"r_key_cos": sink["mean_key_cos"],
                                                                "r_input_cos": 1.0}, abs=1e-3)
@@ -86,12 +88,27 @@ def test_sources_tell_a_planted_sink_from_a_shared_mean_key() -> None:
     q_flat = 0.01 * torch.randn(b, 1, n, d, generator=gen)  # near-uniform causal attention: no sink
     (flat,), k_mean, x_mean = layer_sources(x, q_flat, keys)
     assert flat["key0_share"] < 0.2 and flat["half_positions"] >= 5
+    assert flat["dominant_rows"] == 1 / n and flat["early_dominant_rows"] == 0.0  # row 0 sees key 0 alone
     assert min(flat["mean_key_cos"], flat["mean_input_cos"], flat["pk_energy"]) > 0.99
     r = torch.outer(k_mean[0] / k_mean[0].norm(), x_mean / x_mean.norm())
     assert r_alignment(r, k_mean[0], x_mean) == pytest.approx({"r_key_cos": 1.0, "r_input_cos": 1.0})
     known = r_alignment(torch.outer(e[0], torch.eye(c)[1]), torch.tensor([3.0, 4, 0, 0, 0, 0, 0, 0]),
                         torch.eye(c)[1] + torch.eye(c)[2])
     assert known == pytest.approx({"r_key_cos": 0.6, "r_input_cos": 1 / math.sqrt(2)})
+
+
+def test_early_dominant_rows_count_a_dominant_key_in_an_earlier_tile() -> None:
+    """130 rows (three 64-key tiles): rows 0-63 attend to key 0 in their own tile; rows 64-129 either to key 0
+    (an earlier tile: counted) or, half of them, to themselves (their own tile: dominant, not early)."""
+    n = 130
+    p = torch.zeros(1, n, n, dtype=torch.float64)
+    p[0, :, 0] = 1.0
+    for t in range(64, n, 2):
+        p[0, t] = 0.0
+        p[0, t, t] = 1.0
+    (found,) = [head_sources(p, torch.randn(1, n, 4, dtype=torch.float64), torch.randn(1, n, 3))]
+    assert found["dominant_rows"] == 1.0
+    assert found["early_dominant_rows"] == pytest.approx(33 / n)  # rows 65, 67, ..., 129
 
 
 def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
@@ -123,6 +140,7 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
         assert 0 <= s["top_position"] < 64 and 1 <= s["half_positions"] <= 64
         assert abs(s["top_share"]) >= abs(s["key0_share"])
         assert all(0 <= s[key] <= 1 + 1e-9 for key in ("mean_key_cos", "mean_input_cos", "pk_energy"))
+        assert 0 <= s["early_dominant_rows"] <= s["dominant_rows"] <= 1
     out_text = capsys.readouterr().out
     assert "steps to drift" in out_text and "key0" in out_text
     # layer 0 (its X, q, k come before any attention) recomputed from the checkpoint on the same batches:

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -25,6 +26,7 @@ import nbclient
 import nbformat
 import pytest
 import torch
+from notebook_cells import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = ROOT / "_build" / "html"
@@ -39,9 +41,11 @@ CHROMIUM_ARGS = [
 
 LIVE_EXPLORER = [
     "from lowprec.viz.explore import rounding_explorer\npanel = rounding_explorer()\npanel",
-    "fmt_box, out = panel.children[0].children[0], panel.children[2]\nbefore = str(out.outputs)",
+    "fmt_box, out = panel.children[0].children[0], panel.children[2]\n" + wait_for("out.outputs")
+    + "before = str(out.outputs)",
     "fmt_box.value = 'fp16'",
-    "after = str(out.outputs)\nassert 'sum in bf16' in before and 'sum in fp16' in after, (before, after)",
+    wait_for("str(out.outputs) != before")
+    + "after = str(out.outputs)\nassert 'sum in bf16' in before and 'sum in fp16' in after, (before, after)",
 ]
 
 
@@ -72,9 +76,12 @@ def build() -> Build:
     index = SITE / "index.html"
     if index.exists() and index.stat().st_mtime >= newest_source_time():
         return Build(ok=True, log="")
+    started = time.time()
     result = subprocess.run(["make", "book"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if result.returncode == 0:
-        index.touch()  # a no-op rebuild leaves old pages in place; they are current now
+        # a no-op rebuild leaves old pages in place: they are current as of the start (not of now, so that a
+        # source changed during the build is newer, and the next session builds again)
+        os.utime(index, (started, started))
     log = re.sub(r"\x1b\[[0-9;]*m", "", f"{result.stdout}\n{result.stderr}")  # without terminal colours
     return Build(ok=result.returncode == 0, log=log)
 

@@ -13,6 +13,7 @@ from lowprec.runs import load_run
 from lowprec.viz.control_explorer import control_twin
 from lowprec.viz.precision_explorer import Setting, measure, precision_twin
 from lowprec.viz.run_browser import run_twin
+from notebook_cells import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 LEAD = ROOT / "results" / "explode" / "lead-s1337"
@@ -107,10 +108,12 @@ def test_live_panel_updates_in_a_kernel(name: str) -> None:
     build, control, value, expected = LIVE[name]
     cells = [
         build + "\npanel",
-        "before = str(panel.text.outputs), panel.figure.to_json()\n"
+        wait_for("panel.text.outputs")
+        + "before = str(panel.text.outputs), panel.figure.to_json()\n"
         "assert 'snapshot' in panel.widget.children[0].value and panel.handle is not None",
         f"panel.controls[{control!r}].value = {value}",
-        "after = str(panel.text.outputs), panel.figure.to_json()\n"
+        wait_for("str(panel.text.outputs) != before[0]")
+        + "after = str(panel.text.outputs), panel.figure.to_json()\n"
         f"assert after[0] != before[0] and {expected!r} in after[0] + after[1], (before[0], after[0])\n"
         f"assert {expected!r} not in before[0] + before[1] and after[1] != before[1]\n"
         "assert 'cannot compute' not in after[0]\nprint(panel.figure.layout.title.text)",

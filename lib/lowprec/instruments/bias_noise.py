@@ -41,6 +41,10 @@ and head) holds:
   mean_key_cos, mean_input_cos, pk_energy   `lowrank.mean_alignment`: |cos| of M's top left singular vector
                   with the mean key k̄, of its top right one with the mean input x̄, and the share of ‖PK‖²
                   along k̄
+  dominant_rows   share of query rows whose largest weight is at least DOMINANT
+  early_dominant_rows   share of query rows whose largest weight, at least DOMINANT, sits on a key in an
+                  earlier TILE-key tile than the query's own: the rows where a running row sum kept in bf16
+                  adds the later tiles' small sums to a large one (chapter 3: it rounds them away or up)
 
 and each spec's head holds r_key_cos = |cos(u1, k̄)| and r_input_cos = |cos(v1, x̄)| for its R = u1 v1^T
 (`r_alignment`): both near 1 when the error's direction is the mean key x the mean input (a shared offset of
@@ -69,6 +73,8 @@ from lowprec.telemetry import scores
 from lowprec.train import load_tokens, make_optimizer
 
 HP_SPEC = "emulated/precision=fp32/o_for_delta=fp32"
+DOMINANT = 0.9  # a row's largest weight at least this: one key dominates the row
+TILE = 64  # key tile width of the explode arms' kernels (tile=64)
 
 
 @dataclass
@@ -181,10 +187,16 @@ def attention_inputs(model: GPT, idx: torch.Tensor, autocast) -> list[tuple[torc
 
 
 def head_sources(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor) -> dict:
-    """Where one head's mean rank-1 term M = Σ_T (PK)[T]^T X[T] comes from (module docstring: key0_share,
-    top_share, top_position, half_positions, mean_key_cos, mean_input_cos, pk_energy).
+    """Where one head's mean rank-1 term M = Σ_T (PK)[T]^T X[T] comes from, and how many of its rows one key
+    dominates (module docstring: key0_share, top_share, top_position, half_positions, mean_key_cos,
+    mean_input_cos, pk_energy, dominant_rows, early_dominant_rows).
 
-    p: (B, T, N) probabilities, k: (B, N, D) keys, x: (B, T, C) attention inputs; sums run over B."""
+    p: (B, T, N) probabilities (causal: query t sees keys 0..t), k: (B, N, D) keys, x: (B, T, C) attention
+    inputs; sums run over B."""
+    largest, key = p.max(dim=-1)  # (B, T)
+    dominant = largest >= DOMINANT
+    query_tile = torch.arange(p.shape[1], device=p.device) // TILE
+    early = dominant & (key // TILE < query_tile)
     ones = torch.ones(p.shape[:2], dtype=torch.float64, device=p.device).unsqueeze(1)
     p, k = p.unsqueeze(1), k.unsqueeze(1)
     shares = key_shares(p, k, x, ones)[0].cpu()
@@ -193,7 +205,9 @@ def head_sources(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor) -> dict:
     ranked = shares.sort(descending=True).values
     return {"key0_share": float(shares[0]), "top_share": float(shares[top]), "top_position": top,
             "half_positions": int((ranked.cumsum(0) < 0.5).sum()) + 1,
-            "mean_key_cos": align["key"], "mean_input_cos": align["input"], "pk_energy": align["pk_energy"]}
+            "mean_key_cos": align["key"], "mean_input_cos": align["input"], "pk_energy": align["pk_energy"],
+            "dominant_rows": float(dominant.double().mean()),
+            "early_dominant_rows": float(early.double().mean())}
 
 
 def layer_sources(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -294,9 +308,9 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
 
 
 def format_table(record: dict, rows: int = 8) -> str:
-    """The heads with the largest |t| per checkpoint and spec; with `sources` in the record, three more
-    columns: key position 0's share of the mean term M, |cos| of R's u1 with the mean key and of its v1 with
-    the mean input."""
+    """The heads with the largest |t| per checkpoint and spec; with `sources` in the record, four more
+    columns: key position 0's share of the mean term M, the share of early-dominated rows (records made
+    before it: -), |cos| of R's u1 with the mean key and of its v1 with the mean input."""
     lines = []
     for entry in record["checkpoints"]:
         sources = entry.get("sources")
@@ -306,7 +320,7 @@ def format_table(record: dict, rows: int = 8) -> str:
             header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
                       f"{'crit. tokens':>13} {'steps to drift':>15}")
             if sources is not None:
-                header += f" {'key0':>6} {'u1·k':>6} {'v1·x':>6}"
+                header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6}"
             lines.append(header)
             flat = [(layer, head, h) for layer, row in enumerate(result["heads"])
                     for head, h in enumerate(row)]
@@ -316,14 +330,15 @@ def format_table(record: dict, rows: int = 8) -> str:
                         f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
                         f"{steps:>15}")
                 if sources is not None:
-                    line += f" {sources[layer][head]['key0_share']:>6.3f}" + "".join(
-                        f" {h[key]:>6.3f}" if key in h else f" {'-':>6}"
-                        for key in ("r_key_cos", "r_input_cos"))
+                    found = {**sources[layer][head], **h}
+                    columns = ("key0_share", "early_dominant_rows", "r_key_cos", "r_input_cos")
+                    line += "".join(f" {found[k]:>6.3f}" if k in found else f" {'-':>6}" for k in columns)
                 lines.append(line)
             if sources is not None:
                 lines.append(f"  key0: key position 0's share of the mean term M ({record['keys_batches']} "
-                             "batches); u1·k, v1·x: |cos| of R's singular vectors with the mean key and "
-                             "the mean input")
+                             f"batches); early: share of rows whose largest weight (>= {DOMINANT}) is on a "
+                             f"key in an earlier {TILE}-key tile; u1·k, v1·x: |cos| of R's singular vectors "
+                             "with the mean key and the mean input")
     return "\n".join(lines)
 
 
