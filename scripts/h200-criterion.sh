@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
-# The bias-to-noise criterion at a running experiment's checkpoints (RUNS/NAME/bias-noise/): waits for each
-# listed run's kept checkpoint at STEP, then runs `lowprec experiment bias-noise` on it, one run at a time
+# The bias-to-noise criterion at a running experiment's checkpoints (RUNS/NAME/bias-noise/): for each step of
+# STEP (one or several, space-separated) and each listed run, waits for the run's kept checkpoint at that step,
+# then runs `lowprec experiment bias-noise` on it, one run at a time
 # (three at once ran out of memory beside the trainings). Start it in its own process session, beside
 # `scripts/h200-explode.sh PHASE=start`; that script's finish packs NAME's folder, bias-noise/ included.
 # Usage (repo root):
 #   NAME=lead-s2 RUNS_LIST="paper64-s2 fa2-s2" STEP=2000 ARGS="--batches 32 --batch-size 8 --keys-batches 2" \
 #     setsid nohup bash scripts/h200-criterion.sh > /tmp/criterion.log 2>&1 < /dev/null &
+# (after the trainings, on the idle GPU: STEP="1000 2000 3000", ~23 s per checkpoint)
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1 LOWPREC_DATA=$PWD/data
 RUNS=${RUNS:-/tmp/explode}
 EXP=$RUNS/$NAME
 mkdir -p "$EXP/bias-noise"
-ckpt=$(printf 'ckpt-%06d.pt' "$STEP")
-for run in $RUNS_LIST; do
-  while [ ! -e "$EXP/$run/checkpoint/$ckpt" ]; do sleep 10; done  # kept checkpoints are renamed in whole
-  echo "$(date +%T) $run step $STEP"
-  # shellcheck disable=SC2086
-  python3 -m lowprec.cli experiment bias-noise "$EXP/$run" --ckpt "$EXP/$run/checkpoint/$ckpt" $ARGS \
-    --out "$EXP/bias-noise/$run-step$STEP.json" > "$EXP/bias-noise/$run-step$STEP.log" 2>&1
-  echo "$(date +%T) $run done (exit $?)"
+for step in $STEP; do
+  ckpt=$(printf 'ckpt-%06d.pt' "$step")
+  for run in $RUNS_LIST; do
+    while [ ! -e "$EXP/$run/checkpoint/$ckpt" ]; do sleep 10; done  # kept checkpoints are renamed in whole
+    echo "$(date +%T) $run step $step"
+    # shellcheck disable=SC2086
+    python3 -m lowprec.cli experiment bias-noise "$EXP/$run" --ckpt "$EXP/$run/checkpoint/$ckpt" $ARGS \
+      --out "$EXP/bias-noise/$run-step$step.json" > "$EXP/bias-noise/$run-step$step.log" 2>&1
+    echo "$(date +%T) $run done (exit $?)"
+  done
 done
