@@ -20,8 +20,9 @@ setup: $(STAMP)
 # The execution cache is keyed on the chapters' text only, and Sphinx re-reads only the chapters whose text
 # changed: when the library or a recorded result is newer than the last build, drop both (so the site never
 # shows outputs computed from an old library or record). The protocols (results/*/PROTOCOL.md, written before
-# every GPU run) are cited by the chapters, never read by them, so they do not count. The chapters the cache lacks are executed first, two at
-# a time on one thread each (_ext/execute_chapters.py); the build then renders them from the cache.
+# every GPU run) are cited by the chapters, never read by them, so they do not count. The chapters the cache
+# lacks are executed first, two at a time on one thread each (_ext/execute_chapters.py); the build then
+# renders them from the cache.
 LAST_BUILD := _build/.doctrees/environment.pickle
 book: setup
 	@if [ -f $(LAST_BUILD) ] && [ -n "$$( { find lib -name '*.py' -newer $(LAST_BUILD); \

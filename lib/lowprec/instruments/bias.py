@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from lowprec.analysis import ErrorStats
 from lowprec.attention.dispatch import attention
-from lowprec.attention.reference import reference_attention
+from lowprec.attention.reference import reference_attention, scaled_scores
 
 SCORES = ("unique", "exact", "near", "random")
 SEQ = 64  # keys (= queries) per head in the adversarial inputs
@@ -310,7 +310,7 @@ def dominant_key_scale_error(
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     out = run_impl(impl, q, k, v, **kw)
     o = (out[0] if isinstance(out, tuple) else out).double()
-    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / math.sqrt(head_dim), dim=-1)
-    o_ref = p @ v.double()
+    o_ref, lse = reference_attention(q, k, v, causal=False)
+    top = torch.exp(scaled_scores(q.double(), k.double()[:, :, position : position + 1])[..., 0] - lse)
     scale = (o * o_ref).sum(-1) / (o_ref * o_ref).sum(-1) - 1
-    return ScaleError(top_weight=p[..., position].mean().item(), scale=ErrorStats.of(scale))
+    return ScaleError(top_weight=top.mean().item(), scale=ErrorStats.of(scale))
