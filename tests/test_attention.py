@@ -3,6 +3,7 @@ seconds)."""
 
 import functools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from lowprec.attention import (
 )
 from lowprec.attention.fix import FixParams, fix_shift, one_threshold
 from lowprec.attention.inputs import tied_qkv
-from lowprec.attention.precision import round_weights
+from lowprec.attention.precision import POINTS, round_weights
 from lowprec.formats import FORMATS, round_to
 
 FLOOR = 1e-4  # absolute slack added to FlashAttention's "at most twice plain attention's error" rule
@@ -252,6 +253,23 @@ def test_precision_strings():
                 "fa2:output=e8m3@ones", "fa2:weights=input@ones"):
         with pytest.raises(ValueError):
             Precision.parse(bad)
+
+
+@pytest.mark.parametrize("placement", ["fa2", "paper:tile=64", "fa2:weights=none,rowsum=input,tile=64",
+                                       "fa2:weights=e8m3@stochastic"])
+def test_for_dtype_makes_fp32_tensors_round_as_bf16_inputs(placement: str):
+    """Precision.for_dtype(bf16) on fp32 copies of bf16 q, k, v gives the bf16 run's output, unrounded."""
+    q, k, v = (t.bfloat16() for t in tied_qkv((1, 2, 200, 32), v_mean=-1.5, v_std=0.5))
+    prec = Precision.parse(placement)
+    wide = replace(prec.for_dtype(torch.bfloat16), output=None)
+    assert all(getattr(wide, point).fmt != "input" for point in POINTS)
+    runs = [emulated_attention(*(t.float() for t in (q, k, v)), precision=wide,
+                               generator=torch.Generator().manual_seed(0)),
+            emulated_attention(q, k, v, precision=prec, generator=torch.Generator().manual_seed(0))]
+    assert runs[0].dtype == torch.float32 and torch.equal(runs[0].bfloat16(), runs[1])
+    assert not torch.equal(runs[0], runs[0].bfloat16().float())  # the output kept in fp32
+    with pytest.raises(ValueError, match="'ones'"):
+        Precision.parse("fa2:weights=e8m3@ones").for_dtype(torch.bfloat16)
 
 
 def test_ones_mode_widens_only_the_round_to_one_window():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lowprec.attention import AttentionSpec
 from lowprec.checkpoint import load_checkpoint
 from lowprec.cli import main as lowprec_main
 from lowprec.configs import TrainConfig, apply_overrides, get_config
@@ -18,9 +19,11 @@ from lowprec.instruments.bias_noise import (
     format_table,
     head_sources,
     layer_sources,
+    norm_errors,
     r_alignment,
     run_batch,
 )
+from lowprec.instruments.explode import PLACEMENTS
 from lowprec.instruments.lowrank import key_shares
 from lowprec.model import GPT
 from lowprec.runs import load_run
@@ -111,6 +114,38 @@ def test_early_dominant_rows_count_a_dominant_key_in_an_earlier_tile() -> None:
     assert found["early_dominant_rows"] == pytest.approx(33 / n)  # rows 65, 67, ..., 129
 
 
+def planted_keys(batch: int, seq: int, first: float, second: float | None = None, head_dim: int = 64,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 q, k (batch, 2 heads, seq, head_dim): keys ~ N(0, 1) scores, except key 0 scoring `first` and,
+    if given, key 1 scoring `first - second` (a near tie), on coordinates of their own."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, 2, seq, head_dim, generator=g) for _ in range(2))
+    q[..., -2:], k[..., -2:] = torch.tensor([1.0, 1.0]), 0.0
+    k[:, :, 0], k[:, :, 0, -1] = 0.0, first * math.sqrt(head_dim)
+    if second is not None:
+        k[:, :, 1], k[:, :, 1, -1] = 0.0, first * math.sqrt(head_dim)
+        k[:, :, 1, -2] = -second * math.sqrt(head_dim)
+    return q.bfloat16(), k.bfloat16()
+
+
+def test_norm_errors_see_a_swamped_row_sum_and_fa2s_mismatch() -> None:
+    """norm_error = sum(P̄) / l̃ - 1 per head: one dominant key first in 1,024-key causal rows makes a bf16
+    running row sum lose the later tiles (O too small in every long row); near-tied maxima make fa2's P̄
+    round up to 1 while l keeps the unrounded weights (O too large); nothing rounded, or l summed from the
+    rounded weights (consistent): nothing, or fp32 noise."""
+    def errors(arm: str, q: torch.Tensor, k: torch.Tensor) -> list[dict]:
+        return norm_errors(q, k, AttentionSpec.parse(f"emulated/precision={PLACEMENTS.get(arm, arm)}"))
+
+    swamped = planted_keys(4, 1024, first=10.0)  # key 0 holds ~0.93 of a full row's weight
+    assert all(h["norm_error"] < -0.005 and h["norm_error_t"] < -10 for h in errors("bf16rowsum", *swamped))
+    assert all(h["norm_error"] == 0.0 for arm in ("fp32pv", "fp32") for h in errors(arm, *swamped))
+    tied = planted_keys(8, 128, first=6.0, second=2.0**-10)  # key 1's P̄ = e^-(2^-10) rounds to 1.0 in bf16
+    assert all(h["norm_error"] > 1e-4 and h["norm_error_t"] > 10 for h in errors("fa2", *tied))
+    assert all(abs(h["norm_error"]) < 1e-6 for arm in ("consistent", "fp32pv") for h in errors(arm, *tied))
+    ones = AttentionSpec.parse("emulated/precision=fa2:weights=e8m3@ones")
+    assert norm_errors(*tied, ones) == [{"norm_error": None, "norm_error_t": None}] * 2
+
+
 def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
     cfg = get_config("smoke-cpu", ["attention=emulated/precision=fa2", "dtype=bfloat16", "max_iters=20",
                                    "ckpt_interval=10", "ckpt_keep=true", "telemetry_interval=0",
@@ -132,6 +167,7 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
                for row in heads for h in row)  # cross-fitted bias_norm: about 0, either sign, without a bias
     assert len(last["emulated/precision=paper"]["alignment"]) == 2  # R compared with the previous checkpoint
     assert all(0 <= h[key] <= 1 + 1e-9 for row in heads for h in row for key in ("r_key_cos", "r_input_cos"))
+    assert all(abs(h["norm_error"]) < 0.05 and math.isfinite(h["norm_error_t"]) for row in heads for h in row)
     # where R comes from (--keys-batches, default 4): per checkpoint, layer and head
     assert record["keys_batches"] == 4
     sources = record["checkpoints"][1]["sources"]
@@ -142,7 +178,7 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
         assert all(0 <= s[key] <= 1 + 1e-9 for key in ("mean_key_cos", "mean_input_cos", "pk_energy"))
         assert 0 <= s["early_dominant_rows"] <= s["dominant_rows"] <= 1
     out_text = capsys.readouterr().out
-    assert "steps to drift" in out_text and "key0" in out_text
+    assert "steps to drift" in out_text and "key0" in out_text and "norm %" in out_text
     # layer 0 (its X, q, k come before any attention) recomputed from the checkpoint on the same batches:
     # its shares add up to 1 over key positions, and the record holds its numbers
     run = load_run(tmp_path / "run")

@@ -229,6 +229,16 @@ class Precision:
     def stochastic(self) -> bool:
         return any(getattr(self, name).mode == "stochastic" for name in POINTS)
 
+    def for_dtype(self, dtype: torch.dtype) -> Precision:
+        """The same rounding with every "input" point in `dtype`'s format, so that fp32 tensors holding
+        `dtype` values round as `dtype` inputs would (and the output may be asked for in fp32). A "ones" point
+        rounds its other values to the tensors' dtype, which fp32 tensors cannot mimic: ValueError."""
+        if self.weights.mode == "ones":
+            raise ValueError(f"precision {self.spec!r} rounds its weights with mode 'ones', whose other "
+                             "values follow the tensors' dtype: it has no fp32 equivalent")
+        return replace(self, **{name: Rounding(getattr(self, name).resolve(dtype), getattr(self, name).mode)
+                                for name in POINTS})
+
 
 PLACEMENTS = {"fa2": Precision.fa2, "paper": Precision.paper, "fp32": Precision.fp32,
               "consistent": Precision.consistent}

@@ -48,7 +48,14 @@ and head) holds:
 
 and each spec's head holds r_key_cos = |cos(u1, k̄)| and r_input_cos = |cos(v1, x̄)| for its R = u1 v1^T
 (`r_alignment`): both near 1 when the error's direction is the mean key x the mean input (a shared offset of
-every key and token); a sink shows as key0_share (or top_share) near 1 with half_positions 1.
+every key and token); a sink shows as key0_share (or top_share) near 1 with half_positions 1. It also holds
+the forward pass's normalisation error under that spec's rounding (`norm_errors`, on the same q and k):
+
+  norm_error      mean over query rows of O / O_exact - 1 for V = 1, i.e. sum(P̄) / l̃ - 1 with P̄ the weights
+                  that enter P̄V and l̃ the row sum as kept (positive: every row's O too large); 0 without
+                  rounding, chapter 5's mismatch for fa2, the swamped running sum for a bf16 row sum
+  norm_error_t    its t over the sequences (each sequence's mean over its rows is one sample)
+(None for specs without a precision or with "ones" weights, and for soft-capped models).
 
 The record (JSON) keeps every number; the table prints the heads with the largest |t|.
 """
@@ -57,12 +64,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from lowprec.analysis import BIASED_T
-from lowprec.attention import AttentionSpec
+from lowprec.analysis import BIASED_T, ErrorStats
+from lowprec.attention import AttentionSpec, emulated_attention
 from lowprec.checkpoint import load_checkpoint
 from lowprec.configs import TrainConfig, apply_overrides
 from lowprec.data import sample_batch
@@ -222,6 +229,20 @@ def layer_sources(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return out, k.double().mean((0, 2)).cpu(), x.double().mean((0, 1)).cpu()
 
 
+def norm_errors(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> list[dict]:
+    """Per head of one layer: `spec`'s normalisation error (module docstring: norm_error, norm_error_t) on
+    causal attention over q, k (B, H, T, D), from the emulator with V = 1 and the output kept in fp32."""
+    heads = q.shape[1]
+    if spec.precision is None or spec.precision.weights.mode == "ones":
+        return [{"norm_error": None, "norm_error_t": None}] * heads
+    precision = replace(spec.precision.for_dtype(q.dtype), output=None)
+    o = emulated_attention(q.float(), k.float(), torch.ones_like(k, dtype=torch.float32), causal=True,
+                           precision=precision, fix=spec.fix)
+    err = o[..., 0].double() - 1  # (B, H, T): the same in every column of O
+    return [{"norm_error": float(err[:, h].mean()), "norm_error_t": ErrorStats.of(err[:, h].mean(-1)).t}
+            for h in range(heads)]
+
+
 def r_alignment(r: torch.Tensor, k_mean: torch.Tensor, x_mean: torch.Tensor) -> dict[str, float]:
     """|cos| of R = u1 v1^T's (unit u1, v1) left factor with k_mean and of its right one with x_mean:
     ‖k^T R‖ / ‖k‖ and ‖R x‖ / ‖x‖."""
@@ -269,23 +290,27 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
         g_hp = torch.stack(grads[str(hp_spec)])  # (batches, layers, heads, head_dim, n_embd)
         entry: dict = {"path": str(path), "step": state["step"], "specs": {}}
         means = None  # per layer: (mean keys (H, D), mean input (C,))
+        qk = None  # per layer: the q, k (B, H, T, D) of the keys batches, for norm_errors
         if keys_batches:
             for attn in model.attention_layers():
                 attn.spec = hp_spec
             captured = [attention_inputs(model, run_batch(data.train, cfg, state["step"], i, device)[0],
                                          autocast) for i in range(keys_batches)]
-            entry["sources"], means = [], []
+            entry["sources"], means, qk = [], [], []
             for layer in range(len(captured[0])):
                 x, q, k = (torch.cat([c[layer][j] for c in captured]) for j in range(3))
                 heads_sources, k_mean, x_mean = layer_sources(x, q, k, cfg.model.attn_softcap)
                 entry["sources"].append(heads_sources)
                 means.append((k_mean, x_mean))
+                qk.append((q, k))
             del captured
         for spec in lp_specs:
             g_lp = torch.stack(grads[str(spec)])
             heads, directions = [], []
             for layer in range(g_lp.shape[1]):
                 row = []
+                norms = (norm_errors(*qk[layer], spec) if qk is not None and not cfg.model.attn_softcap
+                         else None)
                 for head in range(g_lp.shape[2]):
                     stats, r = bias_noise(g_lp[:, layer, head], g_hp[:, layer, head], tokens_per_batch,
                                           record["tokens_per_step"],
@@ -293,6 +318,8 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
                     found = stats.to_dict()
                     if means is not None:
                         found.update(r_alignment(r, means[layer][0][head], means[layer][1]))
+                    if norms is not None:
+                        found.update(norms[head])
                     row.append(found)
                     directions.append(r)
                 heads.append(row)
@@ -308,9 +335,10 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
 
 
 def format_table(record: dict, rows: int = 8) -> str:
-    """The heads with the largest |t| per checkpoint and spec; with `sources` in the record, four more
-    columns: key position 0's share of the mean term M, the share of early-dominated rows (records made
-    before it: -), |cos| of R's u1 with the mean key and of its v1 with the mean input."""
+    """The heads with the largest |t| per checkpoint and spec; with `sources` in the record, six more
+    columns: key position 0's share of the mean term M, the share of early-dominated rows, |cos| of R's u1
+    with the mean key and of its v1 with the mean input, the normalisation error in % and its t (records
+    made before a column existed: -)."""
     lines = []
     for entry in record["checkpoints"]:
         sources = entry.get("sources")
@@ -320,7 +348,7 @@ def format_table(record: dict, rows: int = 8) -> str:
             header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
                       f"{'crit. tokens':>13} {'steps to drift':>15}")
             if sources is not None:
-                header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6}"
+                header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6} {'norm %':>8} {'norm t':>7}"
             lines.append(header)
             flat = [(layer, head, h) for layer, row in enumerate(result["heads"])
                     for head, h in enumerate(row)]
@@ -333,12 +361,16 @@ def format_table(record: dict, rows: int = 8) -> str:
                     found = {**sources[layer][head], **h}
                     columns = ("key0_share", "early_dominant_rows", "r_key_cos", "r_input_cos")
                     line += "".join(f" {found[k]:>6.3f}" if k in found else f" {'-':>6}" for k in columns)
+                    norm, norm_t = h.get("norm_error"), h.get("norm_error_t")
+                    line += (f" {100 * norm:>+8.3f} {norm_t:>+7.1f}" if norm is not None
+                             else f" {'-':>8} {'-':>7}")
                 lines.append(line)
             if sources is not None:
                 lines.append(f"  key0: key position 0's share of the mean term M ({record['keys_batches']} "
                              f"batches); early: share of rows whose largest weight (>= {DOMINANT}) is on a "
                              f"key in an earlier {TILE}-key tile; u1·k, v1·x: |cos| of R's singular vectors "
-                             "with the mean key and the mean input")
+                             "with the mean key and the mean input; norm: sum(P̄) / l̃ - 1, the forward's "
+                             "normalisation error (% over rows; t over sequences)")
     return "\n".join(lines)
 
 
