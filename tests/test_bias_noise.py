@@ -14,12 +14,15 @@ from lowprec.checkpoint import load_checkpoint
 from lowprec.cli import main as lowprec_main
 from lowprec.configs import TrainConfig, apply_overrides, get_config
 from lowprec.instruments.bias_noise import (
+    HeadBias,
+    adam_second_moment,
     attention_inputs,
     bias_noise,
     format_table,
     head_sources,
     layer_sources,
     norm_errors,
+    projection_grads,
     r_alignment,
     run_batch,
 )
@@ -146,6 +149,25 @@ def test_norm_errors_see_a_swamped_row_sum_and_fa2s_mismatch() -> None:
     assert norm_errors(*tied, ones) == [{"norm_error": None, "norm_error_t": None}] * 2
 
 
+def test_projection_grads_and_moments_split_c_attn_into_w_q_and_w_k() -> None:
+    """c_attn's weight rows are [W_Q; W_K; W_V], each n_embd x n_embd and split by head into head_dim rows."""
+    model = GPT(get_config("smoke-cpu").model)
+    c = model.config
+    d = c.n_embd // c.n_head
+    optimizer = torch.optim.AdamW(model.parameters())
+    for attn in model.attention_layers():
+        attn.c_attn.weight.grad = torch.arange(attn.c_attn.weight.numel(), dtype=torch.float32).view_as(
+            attn.c_attn.weight)
+    g = projection_grads(model)
+    assert g.shape == (2, c.n_layer, c.n_head, d, c.n_embd)
+    assert g[0, 0, 1, 0, 0] == d * c.n_embd and g[1, 0, 0, 0, 0] == c.n_embd * c.n_embd  # head 1 of W_Q; W_K
+    assert adam_second_moment(model, optimizer) is None  # no step taken yet
+    optimizer.step()
+    v = adam_second_moment(model, optimizer)
+    grad = model.attention_layers()[0].c_attn.weight.grad
+    assert torch.allclose(v[1, 0, 0, 0], grad[c.n_embd] ** 2)  # bias-corrected after one step: g²
+
+
 def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
     cfg = get_config("smoke-cpu", ["attention=emulated/precision=fa2", "dtype=bfloat16", "max_iters=20",
                                    "ckpt_interval=10", "ckpt_keep=true", "telemetry_interval=0",
@@ -168,6 +190,10 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
     assert len(last["emulated/precision=paper"]["alignment"]) == 2  # R compared with the previous checkpoint
     assert all(0 <= h[key] <= 1 + 1e-9 for row in heads for h in row for key in ("r_key_cos", "r_input_cos"))
     assert all(abs(h["norm_error"]) < 0.05 and math.isfinite(h["norm_error_t"]) for row in heads for h in row)
+    heads_k = last["emulated/precision=paper"]["heads_k"]  # the same statistics for W_K
+    assert [len(row) for row in heads_k] == [2, 2] and set(heads_k[0][0]) == set(HeadBias.__annotations__)
+    assert all(0 < h["rank1"] <= 1 and math.isfinite(h["t"]) for row in heads_k for h in row)
+    assert heads_k != [[{k: h[k] for k in HeadBias.__annotations__} for h in row] for row in heads]
     # where R comes from (--keys-batches, default 4): per checkpoint, layer and head
     assert record["keys_batches"] == 4
     sources = record["checkpoints"][1]["sources"]
@@ -178,7 +204,7 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
         assert all(0 <= s[key] <= 1 + 1e-9 for key in ("mean_key_cos", "mean_input_cos", "pk_energy"))
         assert 0 <= s["early_dominant_rows"] <= s["dominant_rows"] <= 1
     out_text = capsys.readouterr().out
-    assert "steps to drift" in out_text and "key0" in out_text and "norm %" in out_text
+    assert "steps to drift" in out_text and "key0" in out_text and "norm %" in out_text and "W_K" in out_text
     # layer 0 (its X, q, k come before any attention) recomputed from the checkpoint on the same batches:
     # its shares add up to 1 over key positions, and the record holds its numbers
     run = load_run(tmp_path / "run")

@@ -25,7 +25,8 @@ batches (`bias_noise`):
   tokens per step) steps.
 
 Across checkpoints, `alignment` is |cos| between each head's R at successive checkpoints (a shared R is the
-paper's Fig. 4).
+paper's Fig. 4). The same statistics for W_K's gradient (the other factor of a logit q . k) are kept per
+head under `heads_k` (without `sources` or `alignment`).
 
 Where R comes from (`--keys-batches N`, the first N of the same batches; 0: off): one no-grad forward per
 batch with the high-precision spec keeps each layer's attention input X, q and k; per head, P is the float64
@@ -80,6 +81,7 @@ from lowprec.telemetry import scores
 from lowprec.train import load_tokens, make_optimizer
 
 HP_SPEC = "emulated/precision=fp32/o_for_delta=fp32"
+PROJECTIONS = ("q", "k")  # W_Q and W_K: the rows of c_attn's weight, in its order
 DOMINANT = 0.9  # a row's largest weight at least this: one key dominates the row
 TILE = 64  # key tile width of the explode arms' kernels (tile=64)
 
@@ -142,28 +144,32 @@ def bias_noise(g_lp: torch.Tensor, g_hp: torch.Tensor, tokens_per_batch: int, to
     return stats, r
 
 
-def wq_grads(model: GPT) -> torch.Tensor:
-    """(layers, heads, head_dim, n_embd) W_Q gradients, from each layer's c_attn weight gradient."""
+def _rows(model: GPT, weight: torch.Tensor, part: str) -> torch.Tensor:
+    """(heads, head_dim, n_embd) rows of a c_attn-shaped (3 n_embd, n_embd) tensor: W_Q's ("q") or W_K's."""
     c = model.config
-    d = c.n_embd // c.n_head
-    return torch.stack([a.c_attn.weight.grad[: c.n_embd].detach().float().view(c.n_head, d, c.n_embd)
-                        for a in model.attention_layers()])
+    start = PROJECTIONS.index(part) * c.n_embd
+    return weight[start : start + c.n_embd].detach().float().view(c.n_head, c.n_embd // c.n_head, c.n_embd)
+
+
+def projection_grads(model: GPT) -> torch.Tensor:
+    """(projections, layers, heads, head_dim, n_embd) gradients of W_Q and W_K (PROJECTIONS order), from each
+    layer's c_attn weight gradient."""
+    layers = model.attention_layers()
+    return torch.stack([torch.stack([_rows(model, a.c_attn.weight.grad, part) for a in layers])
+                        for part in PROJECTIONS])
 
 
 def adam_second_moment(model: GPT, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
-    """(layers, heads, head_dim, n_embd) bias-corrected exp_avg_sq of W_Q from a loaded Adam(W) optimizer, or
-    None if it has taken no step yet."""
-    c = model.config
-    d = c.n_embd // c.n_head
+    """(projections, layers, heads, head_dim, n_embd) bias-corrected exp_avg_sq of W_Q and W_K from a loaded
+    Adam(W) optimizer, or None if it has taken no step yet."""
     beta2 = optimizer.param_groups[0]["betas"][1]
     moments = []
     for attn in model.attention_layers():
         state = optimizer.state.get(attn.c_attn.weight)
         if not state:
             return None
-        v = state["exp_avg_sq"][: c.n_embd].float().view(c.n_head, d, c.n_embd)
-        moments.append(v / (1 - beta2 ** float(state["step"])))
-    return torch.stack(moments)
+        moments.append(state["exp_avg_sq"] / (1 - beta2 ** float(state["step"])))
+    return torch.stack([torch.stack([_rows(model, v, part) for v in moments]) for part in PROJECTIONS])
 
 
 def run_batch(tokens, cfg: TrainConfig, step: int, i: int,
@@ -286,8 +292,8 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
                 with autocast:
                     _, loss = model(x, y)
                 loss.backward()
-                grads[str(spec)].append(wq_grads(model).cpu())
-        g_hp = torch.stack(grads[str(hp_spec)])  # (batches, layers, heads, head_dim, n_embd)
+                grads[str(spec)].append(projection_grads(model).cpu())
+        g_hp = torch.stack(grads[str(hp_spec)])  # (batches, projections, layers, heads, head_dim, n_embd)
         entry: dict = {"path": str(path), "step": state["step"], "specs": {}}
         means = None  # per layer: (mean keys (H, D), mean input (C,))
         qk = None  # per layer: the q, k (B, H, T, D) of the keys batches, for norm_errors
@@ -306,25 +312,28 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
             del captured
         for spec in lp_specs:
             g_lp = torch.stack(grads[str(spec)])
-            heads, directions = [], []
-            for layer in range(g_lp.shape[1]):
-                row = []
+            heads, heads_k, directions = [], [], []
+            for layer in range(g_lp.shape[2]):
+                row, row_k = [], []
                 norms = (norm_errors(*qk[layer], spec) if qk is not None and not cfg.model.attn_softcap
                          else None)
-                for head in range(g_lp.shape[2]):
-                    stats, r = bias_noise(g_lp[:, layer, head], g_hp[:, layer, head], tokens_per_batch,
-                                          record["tokens_per_step"],
-                                          None if v is None else v[layer, head].cpu(), cfg.eps)
+                for head in range(g_lp.shape[3]):
+                    (stats, r), (stats_k, _) = (
+                        bias_noise(g_lp[:, i, layer, head], g_hp[:, i, layer, head], tokens_per_batch,
+                                   record["tokens_per_step"], None if v is None else v[i, layer, head].cpu(),
+                                   cfg.eps) for i in range(len(PROJECTIONS)))
                     found = stats.to_dict()
                     if means is not None:
                         found.update(r_alignment(r, means[layer][0][head], means[layer][1]))
                     if norms is not None:
                         found.update(norms[head])
                     row.append(found)
+                    row_k.append(stats_k.to_dict())
                     directions.append(r)
                 heads.append(row)
+                heads_k.append(row_k)
             directions_t = torch.stack(directions)
-            spec_entry = {"heads": heads}
+            spec_entry = {"heads": heads, "heads_k": heads_k}
             if str(spec) in previous:
                 cos = (directions_t * previous[str(spec)]).sum((1, 2)).abs()
                 spec_entry["alignment"] = cos.view(len(heads), -1).tolist()
@@ -335,42 +344,46 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
 
 
 def format_table(record: dict, rows: int = 8) -> str:
-    """The heads with the largest |t| per checkpoint and spec; with `sources` in the record, six more
-    columns: key position 0's share of the mean term M, the share of early-dominated rows, |cos| of R's u1
-    with the mean key and of its v1 with the mean input, the normalisation error in % and its t (records
-    made before a column existed: -)."""
+    """The heads with the largest |t| per checkpoint and spec, for W_Q and (records that have it) W_K; with
+    `sources` in the record, six more W_Q columns: key position 0's share of the mean term M, the share of
+    early-dominated rows, |cos| of R's u1 with the mean key and of its v1 with the mean input, the
+    normalisation error in % and its t (records made before a column existed: -)."""
     lines = []
     for entry in record["checkpoints"]:
         sources = entry.get("sources")
         for spec, result in entry["specs"].items():
-            lines.append(f"step {entry['step']}  {spec}  vs {record['hp']}  "
-                         f"({record['batches']} batches of {record['tokens_per_batch']} tokens)")
-            header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
-                      f"{'crit. tokens':>13} {'steps to drift':>15}")
-            if sources is not None:
-                header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6} {'norm %':>8} {'norm t':>7}"
-            lines.append(header)
-            flat = [(layer, head, h) for layer, row in enumerate(result["heads"])
-                    for head, h in enumerate(row)]
-            for layer, head, h in sorted(flat, key=lambda x: -abs(x[2]["t"]))[:rows]:
-                steps = "-" if h["steps_to_drift"] is None else f"{h['steps_to_drift']:.3g}"
-                line = (f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} "
-                        f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
-                        f"{steps:>15}")
-                if sources is not None:
-                    found = {**sources[layer][head], **h}
-                    columns = ("key0_share", "early_dominant_rows", "r_key_cos", "r_input_cos")
-                    line += "".join(f" {found[k]:>6.3f}" if k in found else f" {'-':>6}" for k in columns)
-                    norm, norm_t = h.get("norm_error"), h.get("norm_error_t")
-                    line += (f" {100 * norm:>+8.3f} {norm_t:>+7.1f}" if norm is not None
-                             else f" {'-':>8} {'-':>7}")
-                lines.append(line)
-            if sources is not None:
-                lines.append(f"  key0: key position 0's share of the mean term M ({record['keys_batches']} "
-                             f"batches); early: share of rows whose largest weight (>= {DOMINANT}) is on a "
-                             f"key in an earlier {TILE}-key tile; u1·k, v1·x: |cos| of R's singular vectors "
-                             "with the mean key and the mean input; norm: sum(P̄) / l̃ - 1, the forward's "
-                             "normalisation error (% over rows; t over sequences)")
+            for name, key in (("W_Q", "heads"), ("W_K", "heads_k")):
+                if key not in result:
+                    continue
+                extra = sources is not None and key == "heads"
+                lines.append(f"step {entry['step']}  {name}  {spec}  vs {record['hp']}  "
+                             f"({record['batches']} batches of {record['tokens_per_batch']} tokens)")
+                header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
+                          f"{'crit. tokens':>13} {'steps to drift':>15}")
+                if extra:
+                    header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6} {'norm %':>8} {'norm t':>7}"
+                lines.append(header)
+                flat = [(layer, head, h) for layer, row in enumerate(result[key])
+                        for head, h in enumerate(row)]
+                for layer, head, h in sorted(flat, key=lambda x: -abs(x[2]["t"]))[:rows]:
+                    steps = "-" if h["steps_to_drift"] is None else f"{h['steps_to_drift']:.3g}"
+                    line = (f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} "
+                            f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
+                            f"{steps:>15}")
+                    if extra:
+                        found = {**sources[layer][head], **h}
+                        columns = ("key0_share", "early_dominant_rows", "r_key_cos", "r_input_cos")
+                        line += "".join(f" {found[k]:>6.3f}" if k in found else f" {'-':>6}" for k in columns)
+                        norm, norm_t = h.get("norm_error"), h.get("norm_error_t")
+                        line += (f" {100 * norm:>+8.3f} {norm_t:>+7.1f}" if norm is not None
+                                 else f" {'-':>8} {'-':>7}")
+                    lines.append(line)
+        if sources is not None:
+            lines.append(f"  key0: key position 0's share of the mean term M ({record['keys_batches']} "
+                         f"batches); early: share of rows whose largest weight (>= {DOMINANT}) is on a "
+                         f"key in an earlier {TILE}-key tile; u1·k, v1·x: |cos| of R's singular vectors "
+                         "with the mean key and the mean input; norm: sum(P̄) / l̃ - 1, the forward's "
+                         "normalisation error (% over rows; t over sequences)")
     return "\n".join(lines)
 
 
