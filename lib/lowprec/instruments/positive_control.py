@@ -18,8 +18,8 @@ Design (every choice serves one purpose: in exact arithmetic the expected gradie
 - Arms, identical init and data stream: "lowp" (the placement's rounding, no fix), "fix" (the paper's dynamic
   maximum Fix(beta)), "fp32pv" (the placement with P̄, the P̄V result and the running O unrounded),
   "reference" (float64 attention on the fp32 q). Placements Precision.fa2() and Precision.paper(); Adam
-  (the paper's betas 0.9/0.95) and plain SGD, sgd_lr calibrated so that the reference arm's mean step size
-  matches Adam's.
+  (the paper's betas 0.9/0.95, eps `adam_eps`) and plain SGD, sgd_lr calibrated so that the reference arm's
+  mean step size matches Adam's.
 - Telemetry per step, against float64 attention on the SAME bf16 q, k, v: Σ_T (δ_lp - δ_hp)[T] (one dO), the
   W_Q gradient error on R, Eq. (2)'s δ-only prediction -α Σ_T δerr[T] (PK)[T]^T x[T], how alike the rank-1
   terms (PK)[T]^T x[T] are across tokens and steps, P̄ = 1 per row, ⟨W - W0, R⟩, ||W||_2, update size and
@@ -75,6 +75,7 @@ class ControlConfig:
     bias_weight: float = 1.0
     lr: float = 3e-3
     sgd_lr: float = 16.0
+    adam_eps: float = 1e-8
     beta: float = 2.0
     seed: int = 0
 
@@ -91,6 +92,8 @@ class ControlConfig:
         for name in ("near_gap", "v_std", "lr", "sgd_lr"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps!r}")
 
     @property
     def scale(self) -> float:
@@ -306,7 +309,7 @@ def train_w_q(
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     w = prob.w0.clone().requires_grad_(True)
     opt = (
-        torch.optim.Adam([w], lr=cfg.lr, betas=ADAM_BETAS)
+        torch.optim.Adam([w], lr=cfg.lr, betas=ADAM_BETAS, eps=cfg.adam_eps)
         if optimizer == "adam"
         else torch.optim.SGD([w], lr=cfg.sgd_lr)
     )
@@ -359,8 +362,8 @@ def bias_probe(cfg: ControlConfig, placement: str, arm: str, batches: int = 100)
 @single_thread()
 def criterion_probe(cfg: ControlConfig, placement: str, arm: str, batches: int = 100) -> dict:
     """`bias_noise.bias_noise` at the initial weights: the arm's W_Q gradients against float64 attention's on
-    the same batches, with Adam's second moment estimated as the mean square of the float64 gradient (what
-    Adam's v settles to); tokens per step = one batch."""
+    the same batches, with Adam's second moment v estimated as the mean square of the float64 gradient (what
+    Adam's v settles to; its median square root is returned as sqrt_v_median); tokens per step = one batch."""
     from lowprec.instruments.bias_noise import bias_noise
 
     precision, fix = arm_precision(placement, arm, cfg.beta)
@@ -375,8 +378,9 @@ def criterion_probe(cfg: ControlConfig, placement: str, arm: str, batches: int =
             grads[key].append(w.grad.detach().clone())
     g_lp, g_hp = torch.stack(grads["lp"]), torch.stack(grads["hp"])
     tokens = cfg.batch * cfg.seq
-    stats, r = bias_noise(g_lp, g_hp, tokens, tokens, adam_v=(g_hp.double() ** 2).mean(0))
-    return stats.to_dict() | {"r_cos": abs(cos(r, prob.r))}
+    v = (g_hp.double() ** 2).mean(0)
+    stats, r = bias_noise(g_lp, g_hp, tokens, tokens, adam_v=v, eps=cfg.adam_eps)
+    return stats.to_dict() | {"r_cos": abs(cos(r, prob.r)), "sqrt_v_median": float(v.sqrt().median())}
 
 
 def delta_identity(seed: int = 0, seq: int = 64, head_dim: int = 16, d_model: int = 32) -> dict:
