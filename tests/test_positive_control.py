@@ -11,6 +11,7 @@ from lowprec.cli import main
 from lowprec.instruments.positive_control import (
     ControlConfig,
     bias_probe,
+    criterion_probe,
     delta_identity,
     run_control,
 )
@@ -51,6 +52,17 @@ def test_fp32_pv_removes_the_bias():
     assert abs(probe["delta_err_t"]) < 4
 
 
+def test_adam_eps_slows_the_drift_but_not_the_criterion(fa2_adam):
+    """Adam's step is g / (sqrt(v) + eps): an eps far above the gradient's scale (~2e-5 here) divides the
+    drift's steps and the noise's alike, so the criterion's verdict stays and the drift shrinks."""
+    big = ControlConfig(steps=STEPS, adam_eps=1e-3)
+    drift = run_control(big, ("fa2",), ("lowp",), ("adam",), False)["runs"]["fa2/adam/lowp"]["summary"]
+    assert 0 < drift["w_r_final"] < 0.2 * fa2_adam["lowp"]["w_r_final"]
+    probes = [criterion_probe(cfg, "fa2", "lowp", batches=20) for cfg in (ControlConfig(), big)]
+    assert all(p["biased"] for p in probes) and probes[1]["sqrt_v_median"] < 1e-3 / 10
+    assert probes[1]["steps_to_drift"] == pytest.approx(probes[0]["steps_to_drift"], rel=0.1)
+
+
 def test_eq1_eq2_identities():
     check = delta_identity(seed=0)
     assert check["delta_err_max"] > 1e-3  # the two passes do differ in δ
@@ -63,6 +75,8 @@ def test_config_validation():
         ControlConfig(sinks=1)
     with pytest.raises(ValueError, match="v_mean"):
         ControlConfig(v_mean=0.0)
+    with pytest.raises(ValueError, match="adam_eps"):
+        ControlConfig(adam_eps=0.0)
     with pytest.raises(ValueError, match="placement"):
         run_control(ControlConfig(steps=1), ("bf16",), ("lowp",), ("adam",), False)
     with pytest.raises(ValueError, match="optimizer"):
