@@ -76,6 +76,8 @@ def test_run_twin() -> None:
     runs = {path.name: load_run(path) for path in sorted(LEAD.iterdir()) if path.is_dir()}
     fig = run_twin(dict(list(runs.items())[:2]), layer=1)
     check_twin(fig, menu_entries=2, slider_steps=6)
+    titles = {a.text for a in fig.layout.annotations}
+    assert {"‖W_Q,h‖₂ of each head", "‖W_K,h‖₂ of each head", "attention entropy (mean over rows)"} <= titles
     assert fig.layout.sliders[0].active == 1
 
 

@@ -1,8 +1,9 @@
 """Chapter 3's run browser: one recorded training run's loss and one layer's per-head telemetry over steps.
 
-Panels: the training loss (moving mean of 20 logged losses), ‖W_Q,h‖₂ (`wq_norm`), the largest logit
-(`max_logit`), the share of sampled rows whose maximum is tied exactly (`tie_rows`) or nearly
-(`near_tie_rows`), and the running sum of the δ error (`delta_error_cum`); telemetry is
+Panels: the training loss (moving mean of 20 logged losses), the largest logit (`max_logit`), ‖W_Q,h‖₂ and
+‖W_K,h‖₂ (`wq_norm`, `wk_norm`), the running sum of the δ error (`delta_error_cum`), the attention entropy
+(`entropy`), and the share of sampled rows whose maximum is tied exactly (`tie_rows`) or nearly
+(`near_tie_rows`); telemetry is
 `run.telemetry(name)` -> (steps, values[sample][layer][head]), read with `lowprec.runs.load_run`.
 
 `run_browser` is the live panel (any run under a results folder, any layer, one head or all); `run_twin` its
@@ -28,10 +29,13 @@ PANELS = [
     ("loss", "training loss", "nats per token", False),
     ("max_logit", "largest attention logit", "logit (log scale)", True),
     ("wq_norm", "‖W_Q,h‖₂ of each head", "spectral norm (log scale)", True),
+    ("wk_norm", "‖W_K,h‖₂ of each head", "spectral norm (log scale)", True),
     ("delta_error_cum", "running sum of the δ error", "Σ (δ_lp − δ_hp) (dimensionless)", False),
+    ("entropy", "attention entropy (mean over rows)", "nats", False),
     ("tie_rows", "rows whose maximum is tied exactly", "sampled rows (%)", False),
     ("near_tie_rows", "rows with a near-tie (P̄ rounds to 1)", "sampled rows (%)", False),
 ]
+ROWS = (len(PANELS) + 1) // 2  # two panels a row
 SIGNALS = [name for name, *_ in PANELS[1:]]
 PER_ROW = {"tie_rows", "near_tie_rows"}  # counts of sampled rows: shown as a share of them
 HEAD_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
@@ -79,14 +83,14 @@ def run_note(name: str, run: Run, spec: bool = True, sep: str = "; ") -> str:
                      f"layer index 1 passes a logit of {RUNAWAY_LOGIT:g} {runaway}; {spike}"])
 
 
-def _frame(title: str, subtitle: str = "", height: int = 780, top: int = 110) -> go.Figure:
-    fig = make_subplots(rows=3, cols=2, shared_xaxes=True, vertical_spacing=0.09, horizontal_spacing=0.13,
+def _frame(title: str, subtitle: str = "", height: int = 1000, top: int = 110) -> go.Figure:
+    fig = make_subplots(rows=ROWS, cols=2, shared_xaxes=True, vertical_spacing=0.07, horizontal_spacing=0.13,
                         subplot_titles=[title for _, title, _, _ in PANELS])
     for i, (_, _, y_title, log) in enumerate(PANELS):
         row, col = _cell(i)
         axis = {"type": "log", "dtick": 1} if log else {}
         fig.update_yaxes(title_text=y_title, **axis, row=row, col=col)
-        if row == 3:
+        if row == ROWS:
             fig.update_xaxes(title_text="step", row=row, col=col)
     fig.add_hline(y=RUNAWAY_LOGIT, line_dash="dot", line_color="#7f7f7f", row=1, col=2,
                   exclude_empty_subplots=False)
@@ -154,7 +158,7 @@ def run_twin(runs: dict[str, Run], layer: int = 1) -> go.Figure:
         raise ValueError(f"the runs of a twin need one number of layers, got {sorted(layers)}")
     n_layers = layers.pop()
     fig = _frame("Recorded runs: pick the run (menu) and the layer (slider)",
-                 run_note(names[0], runs[names[0]], False, "<br>"), height=900, top=140)
+                 run_note(names[0], runs[names[0]], False, "<br>"), height=1120, top=140)
     restyled, groups = [], []
     for k, name in enumerate(names):
         run, first = runs[name], k == 0
