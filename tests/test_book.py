@@ -256,6 +256,7 @@ TWIN_STATE = """(i) => JSON.stringify(
 
 
 def click_centre(page, selector: str) -> None:
+    page.locator(selector).scroll_into_view_if_needed()  # a tall figure's slider may sit below the window
     box = page.locator(selector).bounding_box()
     assert box, f"{selector} is not on screen"
     page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
@@ -288,7 +289,7 @@ def drive_twin(page, index: int) -> list[str]:
 @dataclass
 class Visit:
     problems: list[str]  # console errors, failed or external requests, undrawn output
-    twins: dict[str, list[str]]  # title of each static twin -> what did not respond
+    twins: dict[str, list[str]]  # each static twin (its figure index and title) -> what did not respond
 
 
 def visit_page(browser, url: str, server: str) -> Visit:
@@ -304,7 +305,8 @@ def visit_page(browser, url: str, server: str) -> Visit:
         page.evaluate(WAIT_FOR_MATHJAX)
         page.evaluate(SETTLE)
         state = page.evaluate(PAGE_CHECK)
-        twins = {twin["title"]: drive_twin(page, twin["index"]) for twin in page.evaluate(TWINS)}
+        twins = {f"figure {twin['index']}, {twin['title']}": drive_twin(page, twin["index"])
+                 for twin in page.evaluate(TWINS)}  # two twins may share a title
     finally:
         page.close()
     if state["undrawn"]:

@@ -147,7 +147,8 @@ def run_browser(root: str | Path, run: str | None = None, layer: int = 1) -> Liv
     return LivePanel({"run": run_box, "layer": layer_box, "head": head_box}, compute, note)
 
 
-def run_twin(runs: dict[str, Run], layer: int = 1) -> go.Figure:
+def run_twin(runs: dict[str, Run], layer: int = 1,
+             title: str = "Recorded runs: pick the run (menu) and the layer (slider)") -> go.Figure:
     """The browser for a page without a kernel: a menu for the run, a slider for the layer (starting at
     `layer`), one line per head in every telemetry panel. All runs need the same number of layers."""
     names = list(runs)
@@ -157,8 +158,7 @@ def run_twin(runs: dict[str, Run], layer: int = 1) -> go.Figure:
     if len(layers) != 1:
         raise ValueError(f"the runs of a twin need one number of layers, got {sorted(layers)}")
     n_layers = layers.pop()
-    fig = _frame("Recorded runs: pick the run (menu) and the layer (slider)",
-                 run_note(names[0], runs[names[0]], False, "<br>"), height=1120, top=140)
+    fig = _frame(title, run_note(names[0], runs[names[0]], False, "<br>"), height=1120, top=140)
     restyled, groups = [], []
     for k, name in enumerate(names):
         run, first = runs[name], k == 0
