@@ -240,7 +240,7 @@ def norm_errors(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> list[d
     causal attention over q, k (B, H, T, D), from the emulator with V = 1 and the output kept in fp32."""
     heads = q.shape[1]
     if spec.precision is None or spec.precision.weights.mode == "ones":
-        return [{"norm_error": None, "norm_error_t": None}] * heads
+        return [{"norm_error": None, "norm_error_t": None} for _ in range(heads)]
     precision = replace(spec.precision.for_dtype(q.dtype), output=None)
     o = emulated_attention(q.float(), k.float(), torch.ones_like(k, dtype=torch.float32), causal=True,
                            precision=precision, fix=spec.fix)
