@@ -81,6 +81,20 @@ def test_run_twin() -> None:
     assert fig.layout.sliders[0].active == 1
 
 
+def test_run_twin_thins_long_runs_and_keeps_their_ends() -> None:
+    """A twin stores at most about `max_points` samples per telemetry line, the last one always."""
+    path = next(p for p in sorted(LEAD.iterdir()) if p.is_dir())
+    run = load_run(path)
+    steps = run.telemetry("max_logit")[0]
+    full, thin = run_twin({"a": run}, max_points=len(steps)), run_twin({"a": run}, max_points=10)
+    telemetry = [t for t in thin.data if t.name != "loss"]
+    assert all(len(t.x) <= 11 and t.x[-1] == steps[-1] for t in telemetry), [len(t.x) for t in telemetry]
+    assert all(len(t.x) == len(steps) for t in full.data if t.name != "loss")
+    assert len(thin.to_json()) < len(full.to_json()) / 2
+    with pytest.raises(ValueError, match="max_points"):
+        run_twin({"a": run}, max_points=1)
+
+
 def test_control_twin() -> None:
     fig = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4)
     check_twin(fig, menu_entries=2, slider_steps=2)

@@ -147,12 +147,29 @@ def run_browser(root: str | Path, run: str | None = None, layer: int = 1) -> Liv
     return LivePanel({"run": run_box, "layer": layer_box, "head": head_box}, compute, note)
 
 
+def thinned(steps: list[int], per_signal: dict[str, list[list[float]]], max_points: int
+            ) -> tuple[list[int], dict[str, list[list[float]]]]:
+    """`layer_series`'s output with at most about `max_points` samples per line: every k-th sample and the
+    last one (the page stays small; a run's end, a runaway's largest value included, stays in)."""
+    stride = max(1, -(-len(steps) // max_points))
+    keep = list(range(0, len(steps), stride))
+    if keep[-1] != len(steps) - 1:
+        keep.append(len(steps) - 1)
+    return ([steps[i] for i in keep],
+            {name: [[line[i] for i in keep] for line in lines] for name, lines in per_signal.items()})
+
+
 def run_twin(runs: dict[str, Run], layer: int = 1,
-             title: str = "Recorded runs: pick the run (menu) and the layer (slider)") -> go.Figure:
+             title: str = "Recorded runs: pick the run (menu) and the layer (slider)",
+             max_points: int = 100) -> go.Figure:
     """The browser for a page without a kernel: a menu for the run, a slider for the layer (starting at
-    `layer`), one line per head in every telemetry panel. All runs need the same number of layers."""
+    `layer`), one line per head in every telemetry panel, at most about `max_points` telemetry samples per
+    line (`thinned`). All runs need the same number of layers."""
+    if max_points < 2:
+        raise ValueError(f"max_points must be at least 2, got {max_points}")
     names = list(runs)
-    series = {name: [layer_series(runs[name], i) for i in range(runs[name].config["model"]["n_layer"])]
+    series = {name: [thinned(*layer_series(runs[name], i), max_points)
+                     for i in range(runs[name].config["model"]["n_layer"])]
               for name in names}
     layers = {len(s) for s in series.values()}
     if len(layers) != 1:
