@@ -150,7 +150,7 @@ def run_browser(root: str | Path, run: str | None = None, layer: int = 1) -> Liv
 def thinned(steps: list[int], per_signal: dict[str, list[list[float]]], max_points: int
             ) -> tuple[list[int], dict[str, list[list[float]]]]:
     """`layer_series`'s output with at most about `max_points` samples per line: every k-th sample and the
-    last one (the page stays small; a run's end, a runaway's largest value included, stays in)."""
+    last one (the page stays small; the run's last sample stays in)."""
     stride = max(1, -(-len(steps) // max_points))
     keep = list(range(0, len(steps), stride))
     if keep[-1] != len(steps) - 1:
