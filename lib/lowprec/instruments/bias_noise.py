@@ -343,6 +343,29 @@ def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, b
     return record
 
 
+def _head_lines(heads: list[list[dict]], sources: list[list[dict]] | None, rows: int) -> list[str]:
+    """The header and the `rows` heads with the largest |t| of one table; with `sources` (W_Q of records that
+    have them) six more columns (`format_table`)."""
+    header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
+              f"{'crit. tokens':>13} {'steps to drift':>15}")
+    if sources is not None:
+        header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6} {'norm %':>8} {'norm t':>7}"
+    lines = [header]
+    flat = [(layer, head, h) for layer, row in enumerate(heads) for head, h in enumerate(row)]
+    for layer, head, h in sorted(flat, key=lambda x: -abs(x[2]["t"]))[:rows]:
+        steps = "-" if h["steps_to_drift"] is None else f"{h['steps_to_drift']:.3g}"
+        line = (f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} {h['bias_norm']:>9.2e} "
+                f"{h['noise']:>9.2e} {h['critical_tokens']:>13.3g} {steps:>15}")
+        if sources is not None:
+            found = {**sources[layer][head], **h}
+            columns = ("key0_share", "early_dominant_rows", "r_key_cos", "r_input_cos")
+            line += "".join(f" {found[k]:>6.3f}" if k in found else f" {'-':>6}" for k in columns)
+            norm, norm_t = h.get("norm_error"), h.get("norm_error_t")
+            line += f" {100 * norm:>+8.3f} {norm_t:>+7.1f}" if norm is not None else f" {'-':>8} {'-':>7}"
+        lines.append(line)
+    return lines
+
+
 def format_table(record: dict, rows: int = 8) -> str:
     """The heads with the largest |t| per checkpoint and spec, for W_Q and (records that have it) W_K; with
     `sources` in the record, six more W_Q columns: key position 0's share of the mean term M, the share of
@@ -353,31 +376,10 @@ def format_table(record: dict, rows: int = 8) -> str:
         sources = entry.get("sources")
         for spec, result in entry["specs"].items():
             for name, key in (("W_Q", "heads"), ("W_K", "heads_k")):
-                if key not in result:
-                    continue
-                extra = sources is not None and key == "heads"
-                lines.append(f"step {entry['step']}  {name}  {spec}  vs {record['hp']}  "
-                             f"({record['batches']} batches of {record['tokens_per_batch']} tokens)")
-                header = (f"  {'layer':>5} {'head':>4} {'t':>7} {'rank1':>6} {'|b|':>9} {'noise':>9} "
-                          f"{'crit. tokens':>13} {'steps to drift':>15}")
-                if extra:
-                    header += f" {'key0':>6} {'early':>6} {'u1·k':>6} {'v1·x':>6} {'norm %':>8} {'norm t':>7}"
-                lines.append(header)
-                flat = [(layer, head, h) for layer, row in enumerate(result[key])
-                        for head, h in enumerate(row)]
-                for layer, head, h in sorted(flat, key=lambda x: -abs(x[2]["t"]))[:rows]:
-                    steps = "-" if h["steps_to_drift"] is None else f"{h['steps_to_drift']:.3g}"
-                    line = (f"  {layer:>5} {head:>4} {h['t']:>+7.2f} {h['rank1']:>6.3f} "
-                            f"{h['bias_norm']:>9.2e} {h['noise']:>9.2e} {h['critical_tokens']:>13.3g} "
-                            f"{steps:>15}")
-                    if extra:
-                        found = {**sources[layer][head], **h}
-                        columns = ("key0_share", "early_dominant_rows", "r_key_cos", "r_input_cos")
-                        line += "".join(f" {found[k]:>6.3f}" if k in found else f" {'-':>6}" for k in columns)
-                        norm, norm_t = h.get("norm_error"), h.get("norm_error_t")
-                        line += (f" {100 * norm:>+8.3f} {norm_t:>+7.1f}" if norm is not None
-                                 else f" {'-':>8} {'-':>7}")
-                    lines.append(line)
+                if key in result:
+                    lines.append(f"step {entry['step']}  {name}  {spec}  vs {record['hp']}  "
+                                 f"({record['batches']} batches of {record['tokens_per_batch']} tokens)")
+                    lines += _head_lines(result[key], sources if key == "heads" else None, rows)
         if sources is not None:
             lines.append(f"  key0: key position 0's share of the mean term M ({record['keys_batches']} "
                          f"batches); early: share of rows whose largest weight (>= {DOMINANT}) is on a "
