@@ -7,12 +7,15 @@
 # Usage (repo root):
 #   NAME=lead-s2 RUNS_LIST="paper64-s2 fa2-s2" STEP=2000 ARGS="--batches 32 --batch-size 8 --keys-batches 2" \
 #     setsid nohup bash scripts/h200-criterion.sh > /tmp/criterion.log 2>&1 < /dev/null &
-# (after the trainings, on the idle GPU: STEP="1000 2000 3000", ~23 s per checkpoint)
+# Start it with the trainings: its first checkpoint on a fresh machine spends minutes compiling and autotuning
+# (5.2 minutes beside four trainings), later ones take ~23 s on the idle GPU; two at once on a fresh machine
+# finished nothing in 455 s.
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1 LOWPREC_DATA=$PWD/data
 RUNS=${RUNS:-/tmp/explode}
 EXP=$RUNS/$NAME
 mkdir -p "$EXP/bias-noise"
+echo $$ > "$EXP.criterion.pid"  # for `scripts/h200-explode.sh PHASE=wait`
 for step in $STEP; do
   ckpt=$(printf 'ckpt-%06d.pt' "$step")
   for run in $RUNS_LIST; do

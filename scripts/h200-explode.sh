@@ -2,6 +2,9 @@
 # The explosion hunt's GPU runs (results/explode/<NAME>/), in two phases so a run may outlive one device call:
 #   PHASE=start   launches `lowprec experiment explode` in its own process session (setsid nohup) and returns
 #   PHASE=status  one line per run: last logged step and loss, largest logit per layer at the last telemetry
+#   PHASE=wait    waits until every process of NAME (the harness, and a criterion started with
+#                 scripts/h200-criterion.sh) has ended or WAIT_S seconds (default 540) have passed, by the pid files
+#                 they write (never wait by `pgrep -f PATTERN`: it matches the waiting command's own line)
 #   PHASE=pack    packs the records as they stand (no checkpoints) into $OUT/$NAME-partial.tgz without waiting:
 #                 end every device call with it, so that a machine given back before the next call (idle
 #                 release, a lost turn) loses only the steps since
@@ -33,6 +36,14 @@ PY
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   exit 0
 fi
+if [ "$PHASE" = wait ]; then
+  end=$((SECONDS + ${WAIT_S:-540}))
+  alive() { for f in "$@"; do [ -e "$f" ] && kill -0 "$(cat "$f")" 2> /dev/null && return 0; done; return 1; }
+  pids=(); for NAME1 in $NAME; do pids+=("$RUNS/$NAME1.pid" "$RUNS/$NAME1.criterion.pid"); done
+  while [ $SECONDS -lt $end ] && alive "${pids[@]}"; do sleep 5; done
+  alive "${pids[@]}" && echo "still running after ${WAIT_S:-540} s" || echo "all ended"
+  exit 0
+fi
 if [ "$(echo "$NAME" | wc -w)" -gt 1 ]; then  # several experiments: each phase for each
   for NAME1 in $NAME; do NAME=$NAME1 bash "$0" || exit; done
   exit 0
@@ -46,6 +57,7 @@ if [ "$PHASE" = start ]; then
   mkdir -p "$EXP"
   # shellcheck disable=SC2086
   setsid nohup python3 -m lowprec.cli experiment explode --out "$EXP" $ARGS > "$EXP.log" 2>&1 < /dev/null &
+  echo $! > "$EXP.pid"
   echo "started $NAME (pid $!)"
   exit 0
 fi
