@@ -33,10 +33,13 @@ book: setup
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .
 
 # Two workers, one file at a time each, in collection order; tests/conftest.py puts tests/test_book.py first, so
-# that the site build (the longest single job: it executes every chapter) starts at once on one worker.
+# that the site build (the longest single job: it executes every chapter) starts at once on one worker. One
+# thread per process: the tensors are small, and two workers plus the build's chapters already fill two cores
+# (torch's default of one thread per core made them wait on each other: a 6 s test took 28 s).
 test: setup
 	$(PY) -m ruff check lib tests book _ext
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile \
+		--no-loadscope-reorder
 
 # JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
 # Exploring changes no file in book/: autosave is off (the lab would otherwise rewrite every opened chapter:
