@@ -62,7 +62,7 @@ if [ "$PHASE" = start ]; then
   exit 0
 fi
 # finish: wait for the harness (it writes experiment.json last)
-while pgrep -f "experiment explode --out $EXP" > /dev/null; do sleep 5; done
+while kill -0 "$(cat "$EXP.pid")" 2> /dev/null; do sleep 5; done
 tail -n 20 "$EXP.log"
 [ "$REPLAYS" = 1 ] || : > "$RUNS/replays.txt"
 [ "$REPLAYS" = 1 ] && python3 - "$EXP" "$REPLAY_LEAD" "$REPLAY_AFTER" > "$RUNS/replays.txt" <<'PY'
