@@ -10,6 +10,7 @@ draw and widgets that did not render.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import http.server
 import os
@@ -255,33 +256,45 @@ TWIN_STATE = """(i) => JSON.stringify(
   document.querySelector(`[data-twin="${i}"]`).data.map(t => [t.visible, t.x, t.y, t.z, t.text]))"""
 
 
-def click_centre(page, selector: str) -> None:
-    page.locator(selector).scroll_into_view_if_needed()  # a tall figure's slider may sit below the window
-    box = page.locator(selector).bounding_box()
+CHANGED = f"([i, before]) => ({TWIN_STATE})(i) !== before"
+PAGES_AT_ONCE = 3  # pages open at once: a visit is partly waiting (network idle, MathJax, settling)
+
+
+async def click_centre(page, selector: str) -> None:
+    await page.locator(selector).scroll_into_view_if_needed()  # a tall figure's slider may sit lower down
+    box = await page.locator(selector).bounding_box()
     assert box, f"{selector} is not on screen"
-    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    await page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
 
 
-def drive_twin(page, index: int) -> list[str]:
+async def changes(page, index: int, before: str) -> bool:
+    """Whether the twin's drawn data differs from `before` within 10 s (a busy machine redraws slowly)."""
+    from playwright.async_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        await page.wait_for_function(CHANGED, arg=[index, before], timeout=10_000)
+    except PlaywrightTimeout:
+        return False
+    return True
+
+
+async def drive_twin(page, index: int) -> list[str]:
     """Open the twin's menu and pick its last entry, then click its slider's last tick: each must change the
     drawn data. Returns what did not."""
     graph = f'[data-twin="{index}"]'
     problems = []
-    page.locator(graph).scroll_into_view_if_needed()
-    before = page.evaluate(TWIN_STATE, index)
-    if page.locator(f"{graph} .updatemenu-header").count():
-        click_centre(page, f"{graph} .updatemenu-header")
-        page.wait_for_timeout(200)
-        click_centre(page, f"{graph} .updatemenu-dropdown-button >> nth=-1")
-        page.wait_for_timeout(300)
-        after = page.evaluate(TWIN_STATE, index)
-        if after == before:
+    await page.locator(graph).scroll_into_view_if_needed()
+    before = await page.evaluate(TWIN_STATE, index)
+    if await page.locator(f"{graph} .updatemenu-header").count():
+        await click_centre(page, f"{graph} .updatemenu-header")
+        await page.locator(f"{graph} .updatemenu-dropdown-button >> nth=-1").wait_for()
+        await click_centre(page, f"{graph} .updatemenu-dropdown-button >> nth=-1")
+        if not await changes(page, index, before):
             problems.append("menu: picking its last entry changed nothing")
-        before = after
-    if page.locator(f"{graph} .slider-tick-rect").count():
-        click_centre(page, f"{graph} .slider-tick-rect >> nth=-1")
-        page.wait_for_timeout(300)
-        if page.evaluate(TWIN_STATE, index) == before:
+        before = await page.evaluate(TWIN_STATE, index)
+    if await page.locator(f"{graph} .slider-tick-rect").count():
+        await click_centre(page, f"{graph} .slider-tick-rect >> nth=-1")
+        if not await changes(page, index, before):
             problems.append("slider: moving it to its last step changed nothing")
     return problems
 
@@ -292,23 +305,27 @@ class Visit:
     twins: dict[str, list[str]]  # each static twin (its figure index and title) -> what did not respond
 
 
-def visit_page(browser, url: str, server: str) -> Visit:
+async def visit_page(browser, url: str, server: str) -> Visit:
     """Open one page, check that everything on it rendered, then drive each static twin."""
     problems: list[str] = []
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
-    page.route(re.compile(r"^(?!" + re.escape(server) + r")"), lambda route: route.abort())  # stay offline
+    page = await browser.new_page(viewport={"width": 1280, "height": 1000})
+
+    async def stay_offline(route) -> None:
+        await route.abort()
+
+    await page.route(re.compile(r"^(?!" + re.escape(server) + r")"), stay_offline)
     page.on("console", lambda m: m.type == "error" and problems.append(f"console error: {m.text}"))
     page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
     page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
     try:
-        page.goto(url, wait_until="networkidle")
-        page.evaluate(WAIT_FOR_MATHJAX)
-        page.evaluate(SETTLE)
-        state = page.evaluate(PAGE_CHECK)
-        twins = {f"figure {twin['index']}, {twin['title']}": drive_twin(page, twin["index"])
-                 for twin in page.evaluate(TWINS)}  # two twins may share a title
+        await page.goto(url, wait_until="networkidle")
+        await page.evaluate(WAIT_FOR_MATHJAX)
+        await page.evaluate(SETTLE)
+        state = await page.evaluate(PAGE_CHECK)
+        twins = {f"figure {twin['index']}, {twin['title']}": await drive_twin(page, twin["index"])
+                 for twin in await page.evaluate(TWINS)}  # two twins may share a title
     finally:
-        page.close()
+        await page.close()
     if state["undrawn"]:
         problems.append(f"{state['undrawn']} of {state['graphs']} plotly figures did not draw")
     if state["rendered_widgets"] < state["widget_views"]:
@@ -318,19 +335,32 @@ def visit_page(browser, url: str, server: str) -> Visit:
     return Visit(problems, twins)
 
 
+async def visit_all(urls: dict[str, str], server: str) -> dict[str, Visit]:
+    """Every page in `urls` (name -> address), PAGES_AT_ONCE at a time in one headless Chromium."""
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        slots = asyncio.Semaphore(PAGES_AT_ONCE)
+
+        async def visit(url: str) -> Visit:
+            async with slots:
+                return await visit_page(browser, url, server)
+
+        try:
+            return dict(zip(urls, await asyncio.gather(*map(visit, urls.values())), strict=True))
+        finally:
+            await browser.close()
+
+
 @pytest.fixture(scope="module")
 def visits(site: Path, server: str) -> dict[str, Visit]:
     """Every page of the site, opened once in headless Chromium."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run `make setup` (apt-get install -y chromium)")
-    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            return {str(p.relative_to(site)): visit_page(browser, f"{server}/{p.relative_to(site)}", server)
-                    for p in pages(site)}
-        finally:
-            browser.close()
+    pytest.importorskip("playwright.async_api")
+    urls = {str(p.relative_to(site)): f"{server}/{p.relative_to(site)}" for p in pages(site)}
+    return asyncio.run(visit_all(urls, server))
 
 
 def test_every_page_renders_offline_in_chromium(visits: dict[str, Visit]) -> None:
