@@ -1,6 +1,7 @@
 """lowprec.attention without Triton: dispatch, reference, Precision, Fix and the emulator (CPU, a few
 seconds)."""
 
+import contextlib
 import functools
 import math
 from dataclasses import replace
@@ -372,6 +373,32 @@ def test_emulator_features_within_flash_attention_rule(name, fix):
         out = forward_backward(fn, q, k, v, do)
         for label, a, m, r in zip(("o", "dq", "dk", "dv"), out, plain, ref, strict=True):
             assert max_err(a, r) <= 3 * max_err(m, r) + FLOOR, (backend, label)
+
+
+def test_sdpa_kernels_without_gqa_get_expanded_heads(monkeypatch):
+    """SDPA's memory-efficient and cuDNN kernels take equal head counts only (with enable_gqa torch finds "No
+    available kernel", as on the H200): grouped-query k, v reach them expanded to q's heads, with gradients
+    summed back over each group; flash and math get enable_gqa and the grouped tensors."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        seen.append((k.shape[1], kw["enable_gqa"]))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr("torch.nn.attention.sdpa_kernel", lambda backend: contextlib.nullcontext())
+    q, do = torch.randn(2, 2, 4, 5, 8, dtype=torch.float64).unbind(0)
+    k, v = torch.randn(2, 2, 2, 7, 8, dtype=torch.float64).unbind(0)
+    expected = forward_backward(lambda *t: explicit_attention(*t, True), q, k, v, do)
+    for backend, heads_seen in (("efficient", 4), ("cudnn", 4), ("flash", 2), ("math", 2)):
+        pinned = functools.partial(attention, backend="sdpa", causal=True, sdpa_backend=backend)
+        out = forward_backward(pinned, q, k, v, do)
+        assert seen.pop() == (heads_seen, heads_seen == 2), backend
+        for a, e in zip(out, expected, strict=True):
+            torch.testing.assert_close(a, e)
 
 
 def test_reference_matches_the_explicit_mask_in_float64():

@@ -297,7 +297,9 @@ def test_kernels_compile_for_h200():
     """Compiled (not interpreted) kernels build for sm_90 without a GPU: catches code the interpreter accepts
     but the compiler does not. Head dim 128 at the first autotune config of each kernel and variant (Fix,
     rounded-weight normalisation, grouped-query dK/dV, fp32), head dim 256's forward, dK/dV and dQ at every
-    config they are tuned over; the bf16 builds fit in an H200's shared memory."""
+    config they are tuned over, and both head dims' three kernels at the fixed blocks a call with block sizes
+    launches (the GPU suite's); the bf16 builds fit in an H200's shared memory (Triton's default launch
+    options did not at head dim 256: 263,168 bytes, the H200's OutOfResources reproduced here)."""
     code = ("import json; from lowprec.attention.flash import compile_for_gpu; print(json.dumps("
             "{**compile_for_gpu(90, (128,), False), **compile_for_gpu(90, (256,), True, variants=False)}))")
     env = dict(os.environ, TRITON_INTERPRET="0")
@@ -307,7 +309,11 @@ def test_kernels_compile_for_h200():
 
     builds = json.loads(done.stdout.strip().splitlines()[-1])
     names = {name.split(" d")[0] for name in builds}
-    assert names == {"forward", "dkdv", "dq", "dkdv gqa", "forward+fix", "forward consistent", "forward fp32"}
+    assert names == {"forward", "dkdv", "dq", "dkdv gqa", "forward+fix", "forward consistent", "forward fp32",
+                     "forward fixed", "dkdv fixed", "dq fixed"}
+    fixed = {f"{kernel} fixed d{d} 64x64x{options}" for d, options in ((128, "4x3"), (256, "8x2"))
+             for kernel in ("forward", "dkdv", "dq")}
+    assert {name for name in builds if "fixed" in name} == fixed
     assert sum(name.startswith("forward d256") for name in builds) >= 2  # every d256 config of the forward
     for name, usage in builds.items():
         assert usage["registers"] <= 255, (name, usage)
@@ -335,6 +341,24 @@ def test_kernel_value_errors():
     for call in bad_calls:
         with pytest.raises(ValueError):
             call()
+
+
+def test_blocks_beyond_shared_memory_are_a_value_error(monkeypatch):
+    """Caller-chosen blocks that do not fit in the GPU's shared memory (Triton's OutOfResources at launch)
+    give a one-line ValueError naming the arguments, not Triton's traceback."""
+    from lowprec.attention import flash
+    from triton.runtime.errors import OutOfResources
+
+    class TooLarge:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(263_168, 232_448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(flash, "_fwd", TooLarge())
+    q = torch.randn(1, 1, 32, 16, device=DEVICE).bfloat16()
+    with pytest.raises(ValueError, match=r"block_m=64, block_n=32 need more shared memory .* head dim 16"):
+        flash_attention(q, q, q, block_m=64, block_n=32)
 
 
 def test_interpreter_helpers_round_to_nearest_even():

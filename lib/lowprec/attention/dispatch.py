@@ -48,7 +48,8 @@ def sdpa_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """torch's scaled_dot_product_attention, optionally pinned to one of its kernels (Nq != Nk causal: a
-    bottom-right causal bias)."""
+    bottom-right causal bias; grouped-query k, v: enable_gqa, or expanded to q's heads for the kernels that
+    lack it)."""
     check_qkv(q, k, v)
     if sdpa_backend is None:
         ctx = contextlib.nullcontext()
@@ -64,6 +65,8 @@ def sdpa_attention(
         ctx = sdpa_kernel(getattr(SDPBackend, names[sdpa_backend]))
     else:
         raise ValueError(f"sdpa_backend must be None or one of {SDPA_BACKENDS}, got {sdpa_backend!r}")
+    if sdpa_backend in ("efficient", "cudnn"):  # their kernels take equal head counts only (no enable_gqa)
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     kw: dict[str, object] = {"scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
     blind = None  # rows that see no key (causal, Nq > Nk): attend to every key, then output 0 (not NaN)
     if causal and q.shape[2] != k.shape[2]:

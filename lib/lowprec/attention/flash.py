@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, FixParams, as_fix
 from lowprec.attention.plan import plan_call
@@ -78,6 +79,7 @@ HEAD_DIMS = (16, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FWD_BLOCK_N = 64  # on a GPU the forward's key tile is fixed: per-tile tie detection depends on it
 SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one block may use on sm_90 (227 KiB)
+FIXED_BLOCKS = (64, 64)  # the caller-chosen blocks compile_for_gpu checks (the GPU suite's)
 
 __all__ = ["INTERPRET", "autotuned_configs", "compile_for_gpu", "flash_attention", "flash_delta"]
 
@@ -200,14 +202,28 @@ def _fold(bh: int) -> tuple[int, int]:
     return y, z
 
 
+def _fixed_options(block_d: int) -> dict[str, int]:
+    """num_warps and num_stages for caller-chosen blocks: Triton's defaults (4, 3) up to BLOCK_D 128; at 256
+    (head dims 129-256) the autotuner's LARGE settings (8, 2). With the defaults, 64 x 64 dK/dV tiles at
+    BLOCK_D 256 need 263,168 bytes of shared memory, more than an H200 has (SHARED_MEMORY_LIMIT); with (8, 2)
+    the three kernels need at most 197,632 (compile_for_gpu builds them)."""
+    return {"num_warps": 8, "num_stages": 2} if block_d >= 256 else {"num_warps": 4, "num_stages": 3}
+
+
 def _launch(kernel, tuned, run: _Run, n: int, bh: int, rows: str, *args, **constexprs) -> None:
     """Launch with fixed blocks or the autotuned variant over the grid (`rows`-sized blocks, B*H folded over
     y and z): the blocks of one head run side by side (its K and V stay in L2), and any batch x heads fits."""
     grid = lambda meta: (triton.cdiv(n, meta[rows]), *_fold(bh))
     if run.blocks is None:
         tuned[grid](*args, **constexprs)
-    else:
-        kernel[grid](*args, **constexprs, BLOCK_M=run.blocks[0], BLOCK_N=run.blocks[1])
+        return
+    try:
+        kernel[grid](*args, **constexprs, BLOCK_M=run.blocks[0], BLOCK_N=run.blocks[1],
+                     **_fixed_options(constexprs["BLOCK_D"]))
+    except OutOfResources as exc:
+        m, n, dtype = *run.blocks, " in fp32" if constexprs["IEEE"] else ""
+        raise ValueError(f"block_m={m}, block_n={n} need more {exc.name} than this GPU has at head dim "
+                         f"{constexprs['D']}{dtype}: pass smaller ones, or none to autotune") from None
 
 
 def _block_d(d: int) -> int:
@@ -411,7 +427,8 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
                     every_config: bool = True, variants: bool = True) -> dict[str, dict[str, int]]:
     """Compile the kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton), for each head dim:
     the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
-    the first), and (with `variants`) the variants at the first kept config: the forward with the Fix and
+    the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
+    and (with `variants`) the variants at the first kept config: the forward with the Fix and
     counters, with rounded-weight normalisation (NORM), in fp32, and grouped-query dK/dV. Pointers and
     strides are taken 16-aligned, as the runtime specialises them. Returns, per build
     "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread and
@@ -436,10 +453,16 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
         fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True, NORM=0,
                    CODES=tuple(_codes(fa2, torch.bfloat16).values()))
         backward = dict(base, C_SCORES=NONE)
-        builds = [  # (name, kernel, rows, constexprs, input dtype, every kept config)
+        fixed = [triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), FIXED_BLOCKS, strict=True)),
+                               **_fixed_options(_block_d(head_dim)))]
+        builds = [  # (name, kernel, rows, constexprs, input dtype, True: every kept config, False: the first,
+            # or the configs to build)
             ("forward", _fwd_tuned, "BLOCK_M", fwd, "bf16", every_config),
             ("dkdv", _dkdv_tuned, "BLOCK_N", backward, "bf16", every_config),
             ("dq", _dq_tuned, "BLOCK_M", backward, "bf16", every_config),
+            ("forward fixed", _fwd_tuned, "BLOCK_M", fwd, "bf16", fixed),
+            ("dkdv fixed", _dkdv_tuned, "BLOCK_N", backward, "bf16", fixed),
+            ("dq fixed", _dq_tuned, "BLOCK_M", backward, "bf16", fixed),
             ("dkdv gqa", _dkdv_tuned, "BLOCK_N", {k: v for k, v in backward.items() if k != "GROUP"}, "bf16",
              False),
             ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
@@ -447,14 +470,16 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             ("forward fp32", _fwd_tuned, "BLOCK_M",
              dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())), "fp32", False),
         ]
-        for name, tuned, rows, constexprs, dtype, every in builds if variants else builds[:3]:
+        for name, tuned, rows, constexprs, dtype, which in builds if variants else builds[:6]:
             kernel = {"forward": "fwd"}.get(name.split()[0].split("+")[0], name.split()[0])
-            configs = _kept_configs(tuned.configs, {}, kernel=kernel, rows=rows, **constexprs)
+            configs = which if isinstance(which, list) else _kept_configs(tuned.configs, {}, kernel=kernel,
+                                                                         rows=rows, **constexprs)
+            configs = configs if which is not False else configs[:1]
             args = tuned.fn.arg_names
             aligned = [(args.index(a),) for a in sorted(pointers) if a in args]  # sorted: a stable cache key
             aligned += [(args.index(a), i) for a in strides if a in args for i in range(3)]
             attrs = {path: [["tt.divisibility", 16]] for path in aligned}
-            for config in configs if every else configs[:1]:
+            for config in configs:
                 full = dict(constexprs, **config.kwargs)
                 pointer = f"*{dtype}"
                 signature = {arg: "constexpr" if arg in full else scalars.get(arg, pointer if arg in pointers

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention
 from lowprec.attention.fix import Fix
-from lowprec.attention.flash import flash_attention
+from lowprec.attention.flash import FIXED_BLOCKS, flash_attention
 from lowprec.attention.reference import reference_attention
 from lowprec.instruments.bias import CASES, BiasResult, Rows, bias_of, format_table, with_v_mean
 from lowprec.runs import provenance, write_json
@@ -48,9 +48,10 @@ from tqdm import tqdm
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FACTOR = 2.0
 MIN_ROWS = 256  # query rows per fuzz config at least, so that max errors are not a few-sample draw
-# Fixed tiles (64 x 64, the emulator's default) instead of the autotuner (its key includes N, so every new
-# sequence length would re-tune); a few checks use other tile shapes.
-BLOCKS = (64, 64)
+# Fixed tiles (64 x 64, the emulator's default; compile_for_gpu checks that they fit at every head dim)
+# instead of the autotuner (its key includes N, so every new sequence length would re-tune); a few checks
+# use other tile shapes.
+BLOCKS = FIXED_BLOCKS
 # The compiled variants: (dtype, head dim) -> each with causal on/off and Fix on/off (--smoke: the first two)
 VARIANTS = (
     ("bf16", 16),
