@@ -9,8 +9,9 @@ from pathlib import Path
 import nbclient
 import nbformat
 import pytest
+from lowprec.instruments.positive_control import ControlConfig, run_control
 from lowprec.runs import load_run
-from lowprec.viz.control_explorer import control_twin
+from lowprec.viz.control_explorer import cached_arm, control_twin
 from lowprec.viz.precision_explorer import Setting, measure, precision_twin
 from lowprec.viz.run_browser import run_twin
 from notebook_cells import wait_for
@@ -98,6 +99,12 @@ def test_run_twin_thins_long_runs_and_keeps_their_ends() -> None:
 def test_control_twin() -> None:
     fig = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4)
     check_twin(fig, menu_entries=2, slider_steps=2)
+    # longer runs of the same configuration stand in for training at its own V mean: the same figure
+    longer = run_control(ControlConfig(steps=6), ("fa2",), ("lowp", "fix"), ("adam", "sgd"), False)["runs"]
+    cached_arm.cache_clear()
+    reused = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4,
+                          trained={key: run for key, run in longer.items() if "lowp" in key})
+    assert reused.to_json() == fig.to_json() and cached_arm.cache_info().misses == 6  # 8 runs, 2 reused
 
 
 # Each live panel in a kernel: build it small, remember its text and figure, change one control, compare. The

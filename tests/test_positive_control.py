@@ -13,6 +13,7 @@ from lowprec.instruments.positive_control import (
     bias_probe,
     criterion_probe,
     delta_identity,
+    recorded_control,
     run_control,
 )
 
@@ -102,3 +103,31 @@ def test_cli_writes_record(tmp_path, capsys):
     assert "fa2/adam/lowp" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["experiment", "positive-control", "--arms", "lowp,nofix"])
+
+
+def test_recorded_control_checks_its_live_run(tmp_path):
+    """A chapter reads a recorded control and re-trains one run of it: the record's runs come back with that
+    run fresh; a record of another configuration, without series, or stale is a ValueError naming it."""
+    out = tmp_path / "pc.json"
+    argv = ["experiment", "positive-control", "--steps", "20", "--placements", "fa2", "--arms",
+            "lowp,reference", "--optimizers", "adam", "--out", str(out)]
+    assert main([*argv, "--series"]) == 0
+    cfg = ControlConfig(steps=20)
+    runs = recorded_control(out, cfg, "fa2/adam/lowp")
+    assert set(runs) == {"fa2/adam/lowp", "fp64/adam/reference"}
+    record = json.loads(out.read_text())
+    assert runs["fp64/adam/reference"]["series"] == record["series"]["fp64/adam/reference"]
+    recorded_w_r = record["series"]["fa2/adam/lowp"]["w_r"]
+    assert runs["fa2/adam/lowp"]["series"]["w_r"] == pytest.approx(recorded_w_r, rel=1e-4)
+    with pytest.raises(ValueError, match="another configuration"):
+        recorded_control(out, ControlConfig(steps=21), "fa2/adam/lowp")
+    with pytest.raises(ValueError, match="live must be one of"):
+        recorded_control(out, cfg, "paper/adam/lowp")
+    record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.05
+    out.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="stale: fa2/adam/lowp .* w_r_final"):
+        recorded_control(out, cfg, "fa2/adam/lowp")
+    del record["series"]
+    out.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="no per-step series"):
+        recorded_control(out, cfg, "fa2/adam/lowp")

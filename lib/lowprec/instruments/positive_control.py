@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -497,6 +498,36 @@ def run_control(
     return {"config": asdict(cfg), "runs": runs}
 
 
+def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[str, dict]:
+    """The runs of a record written by `lowprec experiment positive-control --series` for `cfg`, by key, with
+    run `live` ("<placement>/<optimizer>/<arm>") trained again here and checked against the record: its
+    collapse step equal and every other summary number within 1% (or 1e-6). {key: {"series", "summary"}};
+    a ValueError names the record when it is of another configuration, lacks the series, or is stale."""
+    record = json.loads(Path(path).read_text())
+    if record["config"] != asdict(cfg):
+        raise ValueError(f"{path} records another configuration than {cfg}")
+    if "series" not in record:
+        raise ValueError(f"{path} has no per-step series: record it with --series")
+    runs = {key: {"series": record["series"][key], "summary": s} for key, s in record["summary"].items()}
+    if live not in runs:
+        raise ValueError(f"live must be one of the record's runs {sorted(runs)}; got {live!r}")
+    placement, optimizer, arm = live.split("/")
+    fresh = run_arm(cfg, "fa2" if placement == "fp64" else placement, arm, optimizer)
+
+    def agrees(now: float | None, then: float | None) -> bool:
+        if now is None or then is None or isinstance(then, int):
+            return now == then
+        close = math.isclose(now, then, rel_tol=1e-2, abs_tol=1e-6)
+        return close or (math.isnan(now) and math.isnan(then))
+
+    stale = sorted(k for k, then in runs[live]["summary"].items() if not agrees(fresh["summary"][k], then))
+    if stale:
+        raise ValueError(f"{path} is stale: {live} trained here differs in {', '.join(stale)}; record it "
+                         "again (lowprec experiment positive-control --series --out ...)")
+    runs[live] = fresh
+    return runs
+
+
 def format_summary(result: dict) -> str:
     """One line per run: drift on R, its slope, ||W||_2 growth, t-stats, one-signedness, P̄ = 1 per row,
     fraction of the task lost at the end, content mass first > last, collapse step."""
@@ -577,6 +608,7 @@ __all__ = [
     "delta_identity",
     "format_summary",
     "make_problem",
+    "recorded_control",
     "run_arm",
     "run_control",
     "sample_batch",

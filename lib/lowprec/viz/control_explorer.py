@@ -102,12 +102,22 @@ def control_twin(
     steps: int = 150,
     placement: str = "fa2",
     cfg: ControlConfig | None = None,
+    trained: dict[str, dict] | None = None,
 ) -> go.Figure:
     """The explorer for a page without a kernel: every arm in one figure, a menu for the optimizer, a slider
-    for V's mean; every (optimizer, V mean, arm) run is trained here, `steps` steps each."""
-    base = replace(cfg or ControlConfig(), steps=steps)
-    runs = {(o, vm, a): cached_arm(replace(base, v_mean=vm), placement, a, o)
-            for o in optimizers for vm in v_means for a in arms}
+    for V's mean; every (optimizer, V mean, arm) run is trained here, `steps` steps each, except those that
+    `trained` holds: runs of `cfg` itself at least `steps` long (by "<placement>/<optimizer>/<arm>", e.g.
+    recorded_control's), whose first `steps` steps are the same run (no step depends on cfg.steps)."""
+    cfg = cfg or ControlConfig()
+    base = replace(cfg, steps=steps)
+
+    def run(optimizer: str, v_mean: float, arm: str) -> dict:
+        done = (trained or {}).get(f"{placement}/{optimizer}/{arm}") if v_mean == cfg.v_mean else None
+        if done is not None and len(done["series"]["w_r"]) >= steps:
+            return {"series": {key: values[:steps] for key, values in done["series"].items()}}
+        return cached_arm(replace(base, v_mean=v_mean), placement, arm, optimizer)
+
+    runs = {(o, vm, a): run(o, vm, a) for o in optimizers for vm in v_means for a in arms}
     fig = _frame(f"Positive control ({placement}): pick the optimizer (menu) and V's mean (slider)",
                  f"{steps} steps from W_Q(0); bias weight {base.bias_weight:g}, Fix β = {base.beta:g}",
                  height=540, top=130)
