@@ -107,9 +107,9 @@ def test_control_twin() -> None:
     assert reused.to_json() == fig.to_json() and cached_arm.cache_info().misses == 6  # 8 runs, 2 reused
 
 
-# Each live panel in a kernel: build it small, remember its text and figure, change one control, compare. The
-# panel's figure is a display (updated in place through its display id), so the notebook's first output must
-# hold the new figure afterwards, as a Jupyter client shows it.
+# Each live panel, all in one kernel: build it small, remember its text and figure, change one control,
+# compare. The panel's figure is a display (updated in place through its display id), so the panel's first
+# output must hold the new figure afterwards, as a Jupyter client shows it.
 LIVE = {
     "precision": (
         "from lowprec.viz.precision_explorer import precision_explorer\npanel = precision_explorer(rows=64)",
@@ -126,10 +126,9 @@ LIVE = {
 }
 
 
-@pytest.mark.parametrize("name", LIVE)
-def test_live_panel_updates_in_a_kernel(name: str) -> None:
-    build, control, value, expected = LIVE[name]
-    cells = [
+def live_cells(build: str, control: str, value: str, expected: str) -> list[str]:
+    """One panel's four cells: build it, remember its text and figure, change `control`, compare."""
+    return [
         build + "\npanel",
         wait_for("panel.text.outputs")
         + "before = str(panel.text.outputs), panel.figure.to_json()\n"
@@ -141,9 +140,15 @@ def test_live_panel_updates_in_a_kernel(name: str) -> None:
         f"assert {expected!r} not in before[0] + before[1] and after[1] != before[1]\n"
         "assert 'cannot compute' not in after[0]\nprint(panel.figure.layout.title.text)",
     ]
+
+
+def test_live_panels_update_in_a_kernel() -> None:
+    """Every live panel in turn in one kernel, as a reader runs them."""
+    cells = [cell for args in LIVE.values() for cell in live_cells(*args)]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
     nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
-    title = notebook.cells[3].outputs[0]["text"].strip()
-    shown = [o for o in notebook.cells[0].outputs if o["output_type"] == "display_data"]
-    assert len(shown) == 2, "the panel's widgets and its figure"
-    assert title and title in str(shown[1]["data"]), "the figure output was updated in place"
+    for i, name in enumerate(LIVE):
+        title = notebook.cells[4 * i + 3].outputs[0]["text"].strip()
+        shown = [o for o in notebook.cells[4 * i].outputs if o["output_type"] == "display_data"]
+        assert len(shown) == 2, f"{name}: the panel's widgets and its figure"
+        assert title and title in str(shown[1]["data"]), f"{name}: the figure output was updated in place"

@@ -15,6 +15,7 @@ from lowprec.instruments.positive_control import (
     delta_identity,
     recorded_control,
     run_control,
+    train_run,
 )
 
 STEPS = 150
@@ -131,3 +132,17 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     out.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="no per-step series"):
         recorded_control(out, cfg, "fa2/adam/lowp")
+
+
+def test_cures_record_and_its_live_run(tmp_path):
+    """--cures records every cure of cures.CURES under cure/<optimizer>/<name>; a cure is a live run too."""
+    from lowprec.instruments.cures import CURES
+
+    out = tmp_path / "cures.json"
+    assert main(["experiment", "positive-control", "--steps", "3", "--cures", "--optimizers", "adam",
+                 "--series", "--out", str(out)]) == 0
+    assert set(json.loads(out.read_text())["summary"]) == {f"cure/adam/{cure.name}" for cure in CURES}
+    runs = recorded_control(out, ControlConfig(steps=3), "cure/adam/consistent")
+    assert len(runs) == len(CURES)
+    with pytest.raises(ValueError, match="no cure named 'lion'"):
+        train_run(ControlConfig(steps=3), "cure/adam/lion")

@@ -498,9 +498,23 @@ def run_control(
     return {"config": asdict(cfg), "runs": runs}
 
 
+def train_run(cfg: ControlConfig, key: str) -> dict:
+    """One run by its record key: "<placement>/<optimizer>/<arm>" (run_arm; placement "fp64" for the
+    reference) or "cure/<optimizer>/<name>" (cures.run_cure with that cure of cures.CURES)."""
+    placement, optimizer, name = key.split("/", 2)
+    if placement != "cure":
+        return run_arm(cfg, "fa2" if placement == "fp64" else placement, name, optimizer)
+    from lowprec.instruments.cures import CURES, run_cure  # (cures builds on this module)
+
+    cure = next((c for c in CURES if c.name == name), None)
+    if cure is None:
+        raise ValueError(f"no cure named {name!r}; the cures are {[c.name for c in CURES]}")
+    return run_cure(cfg, cure, optimizer)
+
+
 def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[str, dict]:
     """The runs of a record written by `lowprec experiment positive-control --series` for `cfg`, by key, with
-    run `live` ("<placement>/<optimizer>/<arm>") trained again here and checked against the record: its
+    run `live` (a key, see train_run) trained again here and checked against the record: its
     collapse step equal and every other summary number within 1% (or 1e-6). {key: {"series", "summary"}};
     a ValueError names the record when it is of another configuration, lacks the series, or is stale."""
     record = json.loads(Path(path).read_text())
@@ -511,8 +525,7 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[st
     runs = {key: {"series": record["series"][key], "summary": s} for key, s in record["summary"].items()}
     if live not in runs:
         raise ValueError(f"live must be one of the record's runs {sorted(runs)}; got {live!r}")
-    placement, optimizer, arm = live.split("/")
-    fresh = run_arm(cfg, "fa2" if placement == "fp64" else placement, arm, optimizer)
+    fresh = train_run(cfg, live)
 
     def agrees(now: float | None, then: float | None) -> bool:
         if now is None or then is None or isinstance(then, int):
@@ -532,15 +545,16 @@ def format_summary(result: dict) -> str:
     """One line per run: drift on R, its slope, ||W||_2 growth, t-stats, one-signedness, P̄ = 1 per row,
     fraction of the task lost at the end, content mass first > last, collapse step."""
     nan = float("nan")
+    width = max(22, *(len(key) + 1 for key in result["runs"]))
     lines = [
-        f"{'run':<22}{'<W-W0,R>':>9}{'slope':>10}{'|W|/|W0|':>9}{'t(δerr)':>8}{'t(gerr·R)':>10}"
+        f"{'run':<{width}}{'<W-W0,R>':>9}{'slope':>10}{'|W|/|W0|':>9}{'t(δerr)':>8}{'t(gerr·R)':>10}"
         f"{'cumδ 1-sign':>12}{'P̄=1/row':>9}{'task lost':>10}{'content mass':>15}{'collapse':>9}"
     ]
     for key, run in result["runs"].items():
         s = run["summary"]
         collapse = "-" if s["collapse_step"] is None else str(s["collapse_step"])
         lines.append(
-            f"{key:<22}{s['w_r_final']:>+9.3f}{s['w_r_slope']:>+10.2e}{s['w_norm_growth']:>9.2f}"
+            f"{key:<{width}}{s['w_r_final']:>+9.3f}{s['w_r_slope']:>+10.2e}{s['w_norm_growth']:>9.2f}"
             f"{s.get('delta_err_t', nan):>+8.1f}{s.get('g_err_r_t', nan):>+10.1f}"
             f"{s.get('delta_cum_same_sign_frac', nan):>12.2f}{s.get('pbar_ones_per_row', nan):>9.2f}"
             f"{s['task_lost_last']:>10.2f}{s['content_mass_first']:>8.3f}>{s['content_mass_last']:<6.3f}"
@@ -563,6 +577,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--out", default=None, help="write the record here (e.g. results/positive-control/x.json)"
     )
     parser.add_argument("--series", action="store_true", help="also store the per-step series in the record")
+    parser.add_argument("--cures", action="store_true",
+                        help="train every cure of lowprec.instruments.cures.CURES instead of the arms (keys "
+                             "cure/<optimizer>/<name>; --placements and --arms are then unused)")
 
 
 def comma_list(allowed: tuple[str, ...]):
@@ -583,7 +600,14 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_target(args.out, "--out", folder=False)  # before the work, not after it
     cfg = ControlConfig(**{name: getattr(args, name) for name in asdict(ControlConfig())})
-    result = run_control(cfg, args.placements, args.arms, args.optimizers)
+    if args.cures:
+        from lowprec.instruments.cures import CURES  # (cures builds on this module)
+
+        keys = [f"cure/{optimizer}/{cure.name}" for optimizer in args.optimizers for cure in CURES]
+        runs = {key: train_run(cfg, key) for key in tqdm(keys, desc="cures")}
+        result = {"config": asdict(cfg), "runs": runs}
+    else:
+        result = run_control(cfg, args.placements, args.arms, args.optimizers)
     print(format_summary(result))
     if args.out:
         record = {
@@ -612,4 +636,5 @@ __all__ = [
     "run_arm",
     "run_control",
     "sample_batch",
+    "train_run",
 ]

@@ -140,7 +140,9 @@ def run_browser(root: str | Path, run: str | None = None, layer: int = 1) -> Liv
 
     def compute(v: dict) -> tuple[str, go.Figure]:
         record = fit_controls()
-        return run_note(v["run"], record), run_figure(record, layer_box.value, head_box.value, v["run"])
+        heads = "all heads" if head_box.value is None else f"head {head_box.value}"
+        text = f"{run_note(v['run'], record)}; shown: layer index {layer_box.value}, {heads}"
+        return text, run_figure(record, layer_box.value, head_box.value, v["run"])
 
     fit_controls()
     note = "telemetry every 50 steps on a few sampled sequences; the loss is a moving mean of 200 steps"
