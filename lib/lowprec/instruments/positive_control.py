@@ -535,8 +535,9 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[st
 
     stale = sorted(k for k, then in runs[live]["summary"].items() if not agrees(fresh["summary"][k], then))
     if stale:
+        command = " ".join(record.get("provenance", {}).get("command", ["lowprec experiment ..."]))
         raise ValueError(f"{path} is stale: {live} trained here differs in {', '.join(stale)}; record it "
-                         "again (lowprec experiment positive-control --series --out ...)")
+                         f"again: {command}")
     runs[live] = fresh
     return runs
 
@@ -545,7 +546,7 @@ def format_summary(result: dict) -> str:
     """One line per run: drift on R, its slope, ||W||_2 growth, t-stats, one-signedness, P̄ = 1 per row,
     fraction of the task lost at the end, content mass first > last, collapse step."""
     nan = float("nan")
-    width = max(22, *(len(key) + 1 for key in result["runs"]))
+    width = max([22, *(len(key) + 1 for key in result["runs"])])
     lines = [
         f"{'run':<{width}}{'<W-W0,R>':>9}{'slope':>10}{'|W|/|W0|':>9}{'t(δerr)':>8}{'t(gerr·R)':>10}"
         f"{'cumδ 1-sign':>12}{'P̄=1/row':>9}{'task lost':>10}{'content mass':>15}{'collapse':>9}"
