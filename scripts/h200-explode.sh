@@ -27,6 +27,9 @@ import json, sys
 from pathlib import Path
 for run in sorted(p for p in Path(sys.argv[1]).iterdir() if (p / "metrics.jsonl").exists()):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:  # started, nothing logged yet
+        print(f"{run.name:<18} no step logged yet")
+        continue
     tele = [r for r in rows if r.get("telemetry")]
     logits = [max(layer) for layer in tele[-1]["telemetry"]["max_logit"]] if tele else []
     print(f"{run.name:<18} step {rows[-1]['step']:>6} loss {rows[-1]['loss']:7.3f}  max logit per layer "
