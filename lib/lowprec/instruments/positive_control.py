@@ -515,7 +515,8 @@ def train_run(cfg: ControlConfig, key: str) -> dict:
 def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[str, dict]:
     """The runs of a record written by `lowprec experiment positive-control --series` for `cfg`, by key, with
     run `live` (a key, see train_run) trained again here and checked against the record: its
-    collapse step equal and every other summary number within 1% (or 1e-6). {key: {"series", "summary"}};
+    collapse step within 2 steps and every other summary number within 2% (or 1e-4): loose enough for the last
+    bits that another CPU or torch version may round differently. {key: {"series", "summary"}};
     a ValueError names the record when it is of another configuration, lacks the series, or is stale."""
     record = json.loads(Path(path).read_text())
     if record["config"] != asdict(cfg):
@@ -528,9 +529,11 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[st
     fresh = train_run(cfg, live)
 
     def agrees(now: float | None, then: float | None) -> bool:
-        if now is None or then is None or isinstance(then, int):
+        if now is None or then is None:
             return now == then
-        close = math.isclose(now, then, rel_tol=1e-2, abs_tol=1e-6)
+        if isinstance(then, int):  # the collapse step
+            return abs(now - then) <= 2
+        close = math.isclose(now, then, rel_tol=2e-2, abs_tol=1e-4)
         return close or (math.isnan(now) and math.isnan(then))
 
     stale = sorted(k for k, then in runs[live]["summary"].items() if not agrees(fresh["summary"][k], then))
