@@ -429,7 +429,8 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
     the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
     and (with `variants`) the variants at the first kept config: the forward with the Fix and
-    counters, with rounded-weight normalisation (NORM), in fp32, and grouped-query dK/dV. Pointers and
+    counters, with rounded-weight normalisation (NORM), and in fp32 (sizes, group size included, are
+    runtime arguments: one build serves multi-head and grouped-query attention). Pointers and
     strides are taken 16-aligned, as the runtime specialises them. Returns, per build
     "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread and
     spill bytes. Needs compiled (not interpreted) kernels: import
@@ -448,8 +449,7 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     fa2 = Precision.fa2()
     usage = {}
     for head_dim in head_dims:
-        # GROUP = 1 (multi-head attention) is a constant, as the runtime specialises an int argument of 1
-        base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False, GROUP=1)
+        base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False)
         fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True, NORM=0,
                    CODES=tuple(_codes(fa2, torch.bfloat16).values()))
         backward = dict(base, C_SCORES=NONE)
@@ -463,8 +463,6 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             ("forward fixed", _fwd_tuned, "BLOCK_M", fwd, "bf16", fixed),
             ("dkdv fixed", _dkdv_tuned, "BLOCK_N", backward, "bf16", fixed),
             ("dq fixed", _dq_tuned, "BLOCK_M", backward, "bf16", fixed),
-            ("dkdv gqa", _dkdv_tuned, "BLOCK_N", {k: v for k, v in backward.items() if k != "GROUP"}, "bf16",
-             False),
             ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
             ("forward consistent", _fwd_tuned, "BLOCK_M", dict(fwd, NORM=1), "bf16", False),
             ("forward fp32", _fwd_tuned, "BLOCK_M",

@@ -32,9 +32,10 @@ Design
   bit-identical to emulated_attention, so any reordering here breaks tests/test_flash_kernel.py.
 - Cost of the Fix (tie="tile"): per score one compare that yields 1.0 / 0.0 and one fp32 add (the tie count),
   per row a few selects; the counters are computed and stored only when WITH_STATS.
-- The kernels do not specialise on N_Q, N_K or B*H (do_not_specialize), so one compiled variant serves every
-  sequence length. NORM (Precision.norm: 0 "exact", 1 "rounded") moves the row-sum update after the weights
-  rounding, as precision.py's op order says.
+- The kernels do not specialise on N_Q, N_K, H, GROUP or B*H (do_not_specialize; Triton would compile a new
+  variant for a value of 1 or a multiple of 16), so one compiled variant serves every sequence length, head
+  count and group size. NORM (Precision.norm: 0 "exact", 1 "rounded") moves the row-sum update after the
+  weights rounding, as precision.py's op order says.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     return m_new, l_i, acc, (n_ones, n_ties, n_near, n_trig, n_fallback)
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "BH", "seed"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH", "seed"])
 def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, fix, seed, D: tl.constexpr,
          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
          FIX: tl.constexpr, WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr,
@@ -251,7 +252,7 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-@triton.jit(do_not_specialize=["N", "BH"])
+@triton.jit(do_not_specialize=["N", "H", "BH"])
 def _delta(O, DO, DELTA, so, sdo, N, H, BH, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), fp32 products and sum, O as stored."""
     pid_m = tl.program_id(0)
@@ -293,7 +294,7 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "BH"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH"])
 def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, H, GROUP, BH, scale,
           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr):
@@ -359,7 +360,7 @@ def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, 
     return _dot(ds.to(q.dtype), tl.trans(kt), dq, IEEE)  # (BLOCK_M, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "BH"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH"])
 def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, BH, scale, D: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
         IEEE: tl.constexpr, C_SCORES: tl.constexpr):
