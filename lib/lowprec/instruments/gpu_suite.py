@@ -21,7 +21,9 @@ Sections, each case in its own try/except, results rewritten to DIR/gpu_suite.js
                key/value heads (GQA, MQA), Nq and Nk from 1 to 1100 each (odd and even, equal or not), logit
                scale, injected exact ties, same-sign V, the Fix, fp16 / bf16 / fp32, strided views) under the
                same rule; failures are counted and their configs recorded.
-The kernels run at fixed 64 x 64 tiles (no autotuning) and do not specialise on N, so the whole correctness
+A failed check (correctness or fuzz) is run again with torch SDPA's flash and memory-efficient kernels in
+place of ours (`recheck`, recorded under "sdpa"): whether the production kernels fail the same check.
+The kernels run at fixed 64 x 64 tiles (no autotuning) and do not specialise on sizes, so the correctness
 and fuzz run compiles each variant once (~90 kernels, ~1 s each); inputs and the float64 reference are
 computed on the device.
 """
@@ -134,10 +136,11 @@ def grads_of(fn, q, k, v, do) -> list[torch.Tensor]:
     return [o.detach(), q.grad, k.grad, v.grad]
 
 
-def check(c: Check, seed: int, device: str) -> dict:
-    """Max errors of the Triton kernel and of a baseline vs float64, and whether FlashAttention's rule holds
-    for o, dq, dk and dv: kernel error <= 2 x (baseline error + the fp32 rounding noise at the reference's
-    magnitude, |ref + 0.3 - 0.3 - ref| as in FlashAttention-3's tests).
+def check(c: Check, seed: int, device: str, sdpa_backend: str | None = None) -> dict:
+    """Max errors of the Triton kernel (or, with `sdpa_backend`, of that torch SDPA kernel in its place) and
+    of a baseline vs float64, and whether FlashAttention's rule holds for o, dq, dk and dv: kernel error <=
+    2 x (baseline error + the fp32 rounding noise at the reference's magnitude, |ref + 0.3 - 0.3 - ref| as in
+    FlashAttention-3's tests).
 
     Baseline: plain attention in the input dtype for bf16 / fp16 (FlashAttention's choice). For fp32 inputs
     plain fp32 attention is more accurate than any flash backward that recomputes P from the logsumexp, so
@@ -148,8 +151,11 @@ def check(c: Check, seed: int, device: str) -> dict:
     q, k, v, do = make_inputs(c, seed, device)
     fix = Fix() if c.fix else None
     blocks = {"block_m": c.blocks[0], "block_n": c.blocks[1]}
-    kernel = grads_of(functools.partial(flash_attention, causal=c.causal, fix=fix, precision=c.precision,
-                                        **blocks), q, k, v, do)
+    if sdpa_backend is None:
+        tested = functools.partial(flash_attention, causal=c.causal, fix=fix, precision=c.precision, **blocks)
+    else:
+        tested = functools.partial(attention, backend="sdpa", causal=c.causal, sdpa_backend=sdpa_backend)
+    kernel = grads_of(tested, q, k, v, do)
     exact = grads_of(
         lambda q_, k_, v_: reference_attention(q_, k_, v_, c.causal)[0],
         q.double(),
@@ -191,6 +197,20 @@ def check(c: Check, seed: int, device: str) -> dict:
         "pass": not failed,
         "failed": failed,
     }
+
+
+def recheck(result: dict, device: str) -> dict:
+    """A failed check's config and seed run again with each of torch SDPA's fused kernels in place of ours:
+    backend -> its ratios under the same rule, or why it could not run (does the production kernel fail the
+    same check?)."""
+    c = Check(**{**result["config"], "blocks": tuple(result["config"]["blocks"])})
+    out: dict[str, object] = {}
+    for backend in ("flash", "efficient"):
+        try:
+            out[backend] = check(c, result["seed"], device, sdpa_backend=backend)["ratio"]
+        except Exception as exc:  # torch: "No available kernel" with warnings naming the reasons
+            out[backend] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+    return out
 
 
 def _ratio(err: float, allowed: float) -> float:
@@ -335,7 +355,10 @@ def run_bias(report: Report, device: str, rows: int) -> None:
 def run_correctness(report: Report, device: str, smoke: bool) -> None:
     for i, c in enumerate(tqdm(correctness_checks(smoke), desc="correctness", mininterval=10)):
         try:
-            report.data["correctness"].append(check(c, seed=i, device=device))
+            result = check(c, seed=i, device=device)
+            if not result["pass"]:
+                result["sdpa"] = recheck(result, device)
+            report.data["correctness"].append(result)
         except Exception as exc:
             report.error("correctness", c, exc)
         report.save()
@@ -359,6 +382,8 @@ def run_fuzz(report: Report, device: str, n: int, smoke: bool) -> None:
             fuzz["worst_ratio"][name] = max(fuzz["worst_ratio"].get(name, 0.0), ratio)
         if not result["pass"]:
             fuzz["failures"] += 1
+            if "ratio" in result:
+                result["sdpa"] = recheck(result, device)
             fuzz["failing"].append(result)
         if i % 25 == 0 or i == n - 1:
             report.save()
@@ -376,12 +401,14 @@ def summary(data: dict) -> str:
         f"== correctness: {len(corr) - len(failed)}/{len(corr)} pass (rule: err <= {FACTOR:g} x "
         "(baseline err + fp32 noise)) =="
     )
-    lines += [f"FAIL {r['config']}: err / (baseline err + noise) = {r['ratio']}" for r in failed[:10]]
+    lines += [f"FAIL {r['config']}: err / (baseline err + noise) = {r['ratio']}; SDPA in its place: "
+              f"{r.get('sdpa')}" for r in failed[:10]]
     lines.append(f"worst ratios: {_worst(r['ratio'] for r in corr if 'ratio' in r)}")
     fuzz = data["fuzz"]
     lines.append(f"== fuzz: {fuzz['failures']} failures in {fuzz['configs']} random configs ==")
     lines.append(f"by dtype: {fuzz['by_dtype']}; worst ratios: {_worst([fuzz['worst_ratio']])}")
-    lines += [f"FAIL {r['config']}: {r.get('ratio', r['failed'])}" for r in fuzz["failing"][:10]]
+    lines += [f"FAIL {r['config']}: {r.get('ratio', r['failed'])}; SDPA in its place: {r.get('sdpa')}"
+              for r in fuzz["failing"][:10]]
     lines.append(f"errors: {len(data['errors'])}; seconds: {data['seconds']}")
     return "\n".join(lines)
 
