@@ -142,9 +142,21 @@ def live_cells(build: str, control: str, value: str, expected: str) -> list[str]
     ]
 
 
+# Chapter 1's explorer (a widget box whose output area re-renders, no figure display): its own four cells.
+LIVE_EXPLORER = [
+    "from lowprec.viz.explore import rounding_explorer\npanel = rounding_explorer()\npanel",
+    "fmt_box, out = panel.children[0].children[0], panel.children[2]\n" + wait_for("out.outputs")
+    + "before = str(out.outputs)",
+    "fmt_box.value = 'fp16'",
+    wait_for("str(out.outputs) != before")
+    + "after = str(out.outputs)\nassert 'sum in bf16' in before and 'sum in fp16' in after, (before, after)",
+]
+
+
 def test_live_panels_update_in_a_kernel() -> None:
-    """Every live panel in turn in one kernel, as a reader runs them."""
-    cells = [cell for args in LIVE.values() for cell in live_cells(*args)]
+    """Every live panel in turn in one kernel (one start and one set of imports), as a reader runs them:
+    changing a control re-renders its output (what a JupyterLab reader sees)."""
+    cells = [cell for args in LIVE.values() for cell in live_cells(*args)] + LIVE_EXPLORER
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
     nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
     for i, name in enumerate(LIVE):
