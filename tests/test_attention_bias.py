@@ -143,12 +143,10 @@ def test_truncating_pbar_is_catastrophically_biased():
 def test_failed_checks_are_rerun_with_sdpa():
     """A failure's config and seed are checked again with SDPA's kernels in place of ours: ratios where the
     kernel runs (its flash kernel has a CPU version), a one-line reason where it does not."""
-    from dataclasses import asdict
-
     from lowprec.instruments.gpu_suite import Check, check, recheck
 
     c = Check(1, 2, 40, 16, False, v_mean=3.0)
-    again = recheck({"config": asdict(c), "seed": 3}, "cpu")
+    again = recheck(c, 3, "cpu")
     assert set(again) == {"flash", "efficient"}
     assert again["flash"] == check(c, 3, "cpu", sdpa_backend="flash")["ratio"]
     assert set(again["flash"]) == {"o", "dq", "dk", "dv"}

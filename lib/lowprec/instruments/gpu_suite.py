@@ -22,7 +22,7 @@ Sections, each case in its own try/except, results rewritten to DIR/gpu_suite.js
                scale, injected exact ties, same-sign V, the Fix, fp16 / bf16 / fp32, strided views) under the
                same rule; failures are counted and their configs recorded.
 A failed check (correctness or fuzz) is run again with torch SDPA's flash and memory-efficient kernels in
-place of ours (`recheck`, recorded under "sdpa"): whether the production kernels fail the same check.
+place of ours (`check_kernel`, recorded under "sdpa"): whether the production kernels fail the same check.
 The kernels run at fixed 64 x 64 tiles (no autotuning) and do not specialise on sizes, so the correctness
 and fuzz run compiles each variant once (~90 kernels, ~1 s each); inputs and the float64 reference are
 computed on the device.
@@ -199,18 +199,24 @@ def check(c: Check, seed: int, device: str, sdpa_backend: str | None = None) -> 
     }
 
 
-def recheck(result: dict, device: str) -> dict:
-    """A failed check's config and seed run again with each of torch SDPA's fused kernels in place of ours:
-    backend -> its ratios under the same rule, or why it could not run (does the production kernel fail the
-    same check?)."""
-    c = Check(**{**result["config"], "blocks": tuple(result["config"]["blocks"])})
+def recheck(c: Check, seed: int, device: str) -> dict:
+    """Check `c` again with each of torch SDPA's fused kernels in place of ours: backend -> its ratios under
+    the same rule, or why it could not run (does the production kernel fail the same check?)."""
     out: dict[str, object] = {}
     for backend in ("flash", "efficient"):
         try:
-            out[backend] = check(c, result["seed"], device, sdpa_backend=backend)["ratio"]
+            out[backend] = check(c, seed, device, sdpa_backend=backend)["ratio"]
         except Exception as exc:  # torch: "No available kernel" with warnings naming the reasons
             out[backend] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
     return out
+
+
+def check_kernel(c: Check, seed: int, device: str) -> dict:
+    """check() of our kernel; a failure also records recheck()'s SDPA ratios under "sdpa"."""
+    result = check(c, seed, device)
+    if not result["pass"]:
+        result["sdpa"] = recheck(c, seed, device)
+    return result
 
 
 def _ratio(err: float, allowed: float) -> float:
@@ -355,10 +361,7 @@ def run_bias(report: Report, device: str, rows: int) -> None:
 def run_correctness(report: Report, device: str, smoke: bool) -> None:
     for i, c in enumerate(tqdm(correctness_checks(smoke), desc="correctness", mininterval=10)):
         try:
-            result = check(c, seed=i, device=device)
-            if not result["pass"]:
-                result["sdpa"] = recheck(result, device)
-            report.data["correctness"].append(result)
+            report.data["correctness"].append(check_kernel(c, seed=i, device=device))
         except Exception as exc:
             report.error("correctness", c, exc)
         report.save()
@@ -370,7 +373,7 @@ def run_fuzz(report: Report, device: str, n: int, smoke: bool) -> None:
     for i in tqdm(range(n), desc="fuzz", mininterval=10):
         c = fuzz_check(rng, smoke)
         try:
-            result = check(c, seed=10_000 + i, device=device)
+            result = check_kernel(c, seed=10_000 + i, device=device)
         except Exception as exc:
             report.error("fuzz", c, exc)
             result = {"config": asdict(c), "pass": False, "failed": [f"{type(exc).__name__}: {exc}"]}
@@ -382,8 +385,6 @@ def run_fuzz(report: Report, device: str, n: int, smoke: bool) -> None:
             fuzz["worst_ratio"][name] = max(fuzz["worst_ratio"].get(name, 0.0), ratio)
         if not result["pass"]:
             fuzz["failures"] += 1
-            if "ratio" in result:
-                result["sdpa"] = recheck(result, device)
             fuzz["failing"].append(result)
         if i % 25 == 0 or i == n - 1:
             report.save()
