@@ -120,6 +120,7 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     assert runs["fp64/adam/reference"]["series"] == record["series"]["fp64/adam/reference"]
     recorded_w_r = record["series"]["fa2/adam/lowp"]["w_r"]
     assert runs["fa2/adam/lowp"]["series"]["w_r"] == pytest.approx(recorded_w_r, rel=1e-4)
+    assert recorded_control(out, cfg, None)["fa2/adam/lowp"]["series"]["w_r"] == recorded_w_r, "as recorded"
     with pytest.raises(ValueError, match="another configuration"):
         recorded_control(out, ControlConfig(steps=21), "fa2/adam/lowp")
     with pytest.raises(ValueError, match="live must be one of"):

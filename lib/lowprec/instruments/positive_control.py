@@ -512,9 +512,10 @@ def train_run(cfg: ControlConfig, key: str) -> dict:
     return run_cure(cfg, cure, optimizer)
 
 
-def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[str, dict]:
+def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> dict[str, dict]:
     """The runs of a record written by `lowprec experiment positive-control --series` for `cfg`, by key, with
-    run `live` (a key, see train_run) trained again here and checked against the record: its
+    run `live` (a key, see train_run; None: none, for a record whose sibling records a caller re-trains one
+    run of) trained again here and checked against the record: its
     collapse step within 2 steps and every other summary number within 2% (or 1e-4): loose enough for the last
     bits that another CPU or torch version may round differently. {key: {"series", "summary"}};
     a ValueError names the record when it is of another configuration, lacks the series, or is stale."""
@@ -524,6 +525,8 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str) -> dict[st
     if "series" not in record:
         raise ValueError(f"{path} has no per-step series: record it with --series")
     runs = {key: {"series": record["series"][key], "summary": s} for key, s in record["summary"].items()}
+    if live is None:
+        return runs
     if live not in runs:
         raise ValueError(f"live must be one of the record's runs {sorted(runs)}; got {live!r}")
     fresh = train_run(cfg, live)
