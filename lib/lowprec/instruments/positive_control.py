@@ -514,10 +514,10 @@ def train_run(cfg: ControlConfig, key: str) -> dict:
 
 def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> dict[str, dict]:
     """The runs of a record written by `lowprec experiment positive-control --series` for `cfg`, by key, with
-    run `live` (a key, see train_run; None: none, for a record whose sibling records a caller re-trains one
-    run of) trained again here and checked against the record: its
+    run `live` (a key, see train_run) trained again here and checked against the record: its
     collapse step within 2 steps and every other summary number within 2% (or 1e-4): loose enough for the last
-    bits that another CPU or torch version may round differently. {key: {"series", "summary"}};
+    bits that another CPU or torch version may round differently. live=None only reads the record (for a
+    caller that re-trains one run of several records). {key: {"series", "summary"}};
     a ValueError names the record when it is of another configuration, lacks the series, or is stale."""
     record = json.loads(Path(path).read_text())
     if record["config"] != asdict(cfg):
