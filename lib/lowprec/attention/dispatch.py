@@ -43,6 +43,12 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return o if blind is None else o.masked_fill(blind, 0.0)
 
 
+def sdpa_failure(exc: Exception) -> str:
+    """Why an SDPA kernel could not run, in one line for a record (torch raises RuntimeError, its warnings
+    naming the reasons, when a pinned kernel cannot take the inputs)."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+
+
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, sdpa_backend: str | None = None,
     scale: float | None = None,

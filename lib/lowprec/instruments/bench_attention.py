@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from lowprec.attention.dispatch import sdpa_attention
+from lowprec.attention.dispatch import sdpa_attention, sdpa_failure
 from lowprec.attention.fix import Fix
 
 HIDDEN = 2048  # heads x head_dim, as in the FlashAttention-2 paper's benchmarks
@@ -87,8 +87,8 @@ def implementations(device: str) -> tuple[dict[str, Callable], dict[str, str]]:
         try:
             fn(x, x, x, causal=True)
             impls[f"sdpa-{backend}"] = fn
-        except Exception as exc:  # torch raises RuntimeError (with warnings) when a backend cannot run
-            skipped[f"sdpa-{backend}"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+        except Exception as exc:
+            skipped[f"sdpa-{backend}"] = sdpa_failure(exc)
     return impls, skipped
 
 

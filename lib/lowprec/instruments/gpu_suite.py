@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention
+from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention, sdpa_failure
 from lowprec.attention.fix import Fix
 from lowprec.attention.flash import FIXED_BLOCKS, flash_attention
 from lowprec.attention.reference import reference_attention
@@ -206,8 +206,8 @@ def recheck(c: Check, seed: int, device: str) -> dict:
     for backend in ("flash", "efficient"):
         try:
             out[backend] = check(c, seed, device, sdpa_backend=backend)["ratio"]
-        except Exception as exc:  # torch: "No available kernel" with warnings naming the reasons
-            out[backend] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+        except Exception as exc:  # torch: "No available kernel"
+            out[backend] = sdpa_failure(exc)
     return out
 
 
@@ -293,8 +293,8 @@ def sdpa_available(backend: str, device: str) -> str | None:
     x = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16)
     try:
         attention(x, x, x, backend="sdpa", causal=False, sdpa_backend=backend)
-    except Exception as exc:  # torch raises RuntimeError with warnings naming the reasons
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+    except Exception as exc:
+        return sdpa_failure(exc)
     return None
 
 
