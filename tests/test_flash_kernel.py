@@ -296,7 +296,7 @@ def test_kernel_integer_rounding_matches_round_to(fmt):
 def test_kernels_compile_for_h200():
     """Compiled (not interpreted) kernels build for sm_90 without a GPU: catches code the interpreter accepts
     but the compiler does not. Head dim 128 at the first autotune config of each kernel and variant (Fix,
-    rounded-weight normalisation, fp32), head dim 256's forward, dK/dV and dQ at every
+    rounded-weight normalisation, fp32, grouped-query dK/dV), head dim 256's forward, dK/dV and dQ at every
     config they are tuned over, and both head dims' three kernels at the fixed blocks a call with block sizes
     launches (the GPU suite's); the bf16 builds fit in an H200's shared memory (Triton's default launch
     options did not at head dim 256: 263,168 bytes, the H200's OutOfResources reproduced here)."""
@@ -310,7 +310,7 @@ def test_kernels_compile_for_h200():
     builds = json.loads(done.stdout.strip().splitlines()[-1])
     names = {name.split(" d")[0] for name in builds}
     assert names == {"forward", "dkdv", "dq", "forward+fix", "forward consistent", "forward fp32",
-                     "forward fixed", "dkdv fixed", "dq fixed"}
+                     "dkdv grouped", "forward fixed", "dkdv fixed", "dq fixed"}
     fixed = {f"{kernel} fixed d{d} 64x64x{options}" for d, options in ((128, "4x3"), (256, "8x2"))
              for kernel in ("forward", "dkdv", "dq")}
     assert {name for name in builds if "fixed" in name} == fixed
@@ -325,7 +325,8 @@ def test_one_compiled_variant_serves_every_size():
     """Triton's launch key (its own binder, as a launch on sm_90 computes it) is the same for every query
     length, key length, head count, group size and B·H, so sizes never compile a new variant; an int argument
     left to Triton's default would key on "1" and "a multiple of 16" (with H and GROUP keyed so, the GPU
-    suite's fuzz compiled ~2.9 s of kernels per random configuration)."""
+    suite's fuzz compiled ~2.9 s of kernels per random configuration). dK/dV alone has two variants, as its
+    launch sets GROUPED: one for multi-head attention (group size 1), one for every grouped-query size."""
     from lowprec.attention import triton_kernels
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -345,13 +346,16 @@ def test_one_compiled_variant_serves_every_size():
         for size in sizes:
             args = {}
             for p in jit.params:
-                if p.is_constexpr:
+                if p.name == "GROUPED":
+                    args[p.name] = size["H"] > size["H"] // size["GROUP"]  # as _backward_op launches it
+                elif p.is_constexpr:
                     args[p.name] = 64 if p.name.startswith(("D", "BLOCK")) else 0
                 else:  # sizes, scalars, (batch, head, row) stride tuples, pointers
                     args[p.name] = size.get(p.name, scalars.get(p.name, (4096, 1024, 64) if p.name in strides
                                                                 else x))
             keys.append(bind(**args)[1])
-        assert keys[0] == keys[1] == keys[2], jit.fn.__name__
+        assert keys[1] == keys[2], jit.fn.__name__
+        assert (keys[0] == keys[1]) == (kernel is not triton_kernels._dkdv), jit.fn.__name__
 
 
 def test_dispatch_reaches_the_kernel():

@@ -316,7 +316,7 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
                   C_SCORES=run.codes["scores"])
     sizes = (N, n_k, H, H // H_kv)
     _launch(_dkdv, _dkdv_tuned, run, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
-            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, **common)
+            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, GROUPED=H > H_kv, **common)
     _launch(_dq, _dq_tuned, run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
             *map(_strides, (q, k, v, do, dq)), *sizes, B * H, run.scale, **common)
     return dq, dk, dv
@@ -428,9 +428,9 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     """Compile the kernels for CUDA sm_<arch> without a GPU (ptxas ships with triton), for each head dim:
     the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
     the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
-    and (with `variants`) the variants at the first kept config: the forward with the Fix and
-    counters, with rounded-weight normalisation (NORM), and in fp32 (sizes, group size included, are
-    runtime arguments: one build serves multi-head and grouped-query attention). Pointers and
+    and (with `variants`) the variants at the first kept config: dK/dV for grouped-query attention
+    (GROUPED), the forward with the Fix and counters, with rounded-weight normalisation (NORM), and in fp32
+    (sizes, group size included, are runtime arguments). Pointers and
     strides are taken 16-aligned, as the runtime specialises them. Returns, per build
     "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread and
     spill bytes. Needs compiled (not interpreted) kernels: import
@@ -458,11 +458,12 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
         builds = [  # (name, kernel, rows, constexprs, input dtype, True: every kept config, False: the first,
             # or the configs to build)
             ("forward", _fwd_tuned, "BLOCK_M", fwd, "bf16", every_config),
-            ("dkdv", _dkdv_tuned, "BLOCK_N", backward, "bf16", every_config),
+            ("dkdv", _dkdv_tuned, "BLOCK_N", dict(backward, GROUPED=False), "bf16", every_config),
             ("dq", _dq_tuned, "BLOCK_M", backward, "bf16", every_config),
             ("forward fixed", _fwd_tuned, "BLOCK_M", fwd, "bf16", fixed),
-            ("dkdv fixed", _dkdv_tuned, "BLOCK_N", backward, "bf16", fixed),
+            ("dkdv fixed", _dkdv_tuned, "BLOCK_N", dict(backward, GROUPED=False), "bf16", fixed),
             ("dq fixed", _dq_tuned, "BLOCK_M", backward, "bf16", fixed),
+            ("dkdv grouped", _dkdv_tuned, "BLOCK_N", dict(backward, GROUPED=True), "bf16", False),
             ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
             ("forward consistent", _fwd_tuned, "BLOCK_M", dict(fwd, NORM=1), "bf16", False),
             ("forward fp32", _fwd_tuned, "BLOCK_M",

@@ -34,7 +34,8 @@ Design
   per row a few selects; the counters are computed and stored only when WITH_STATS.
 - The kernels do not specialise on N_Q, N_K, H, GROUP or B*H (do_not_specialize; Triton would compile a new
   variant for a value of 1 or a multiple of 16), so one compiled variant serves every sequence length, head
-  count and group size. NORM (Precision.norm: 0 "exact", 1 "rounded") moves the row-sum update after the
+  count and group size; `_dkdv` alone has two (constexpr GROUPED): with GROUP = 1 its loop over the group's
+  query heads is gone, which keeps multi-head attention's backward as fast as a kernel specialised on it. NORM (Precision.norm: 0 "exact", 1 "rounded") moves the row-sum update after the
   weights rounding, as precision.py's op order says.
 """
 
@@ -297,9 +298,9 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH"])
 def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, H, GROUP, BH, scale,
           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr):
+          CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr, GROUPED: tl.constexpr):
     """dK, dV of one key block of one key/value head (BH = batch x key/value heads): the GROUP query heads
-    that read it in increasing order, each over its query blocks in increasing order (diagonal ones masked,
+    that read it (GROUPED: GROUP > 1; else the one head, with no loop over heads) in increasing order, each over its query blocks in increasing order (diagonal ones masked,
     then unmasked ones, then the tail beyond the last whole block)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H_kv folded over the grid's y and z
@@ -324,7 +325,7 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
         lo = 0
         mid = 0
     end = tl.where(start_n + BLOCK_N <= N_K, N_Q // BLOCK_M * BLOCK_M, mid)  # end of the unmasked blocks
-    for g in range(0, GROUP):
+    for g in range(0, GROUP if GROUPED else 1):
         h = kvh * GROUP + g
         Qh, DOh = Q + _head(b, h, sq), DO + _head(b, h, sdo)
         LSEh, DELTAh = LSE + (b * H + h).to(tl.int64) * N_Q, DELTA + (b * H + h).to(tl.int64) * N_Q
