@@ -316,7 +316,7 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
                   C_SCORES=run.codes["scores"])
     sizes = (N, n_k, H, H // H_kv)
     _launch(_dkdv, _dkdv_tuned, run, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
-            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, GROUPED=H > H_kv, **common)
+            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, GROUPED=H_kv < H, **common)
     _launch(_dq, _dq_tuned, run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
             *map(_strides, (q, k, v, do, dq)), *sizes, B * H, run.scale, **common)
     return dq, dk, dv

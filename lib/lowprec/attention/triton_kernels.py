@@ -35,8 +35,8 @@ Design
 - The kernels do not specialise on N_Q, N_K, H, GROUP or B*H (do_not_specialize; Triton would compile a new
   variant for a value of 1 or a multiple of 16), so one compiled variant serves every sequence length, head
   count and group size; `_dkdv` alone has two (constexpr GROUPED): with GROUP = 1 its loop over the group's
-  query heads is gone, which keeps multi-head attention's backward as fast as a kernel specialised on it. NORM (Precision.norm: 0 "exact", 1 "rounded") moves the row-sum update after the
-  weights rounding, as precision.py's op order says.
+  query heads is one constant iteration, as when Triton specialised GROUP = 1. NORM (Precision.norm: 0
+  "exact", 1 "rounded") moves the row-sum update after the weights rounding, as precision.py's op order says.
 """
 
 from __future__ import annotations
@@ -300,8 +300,9 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
           CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr, GROUPED: tl.constexpr):
     """dK, dV of one key block of one key/value head (BH = batch x key/value heads): the GROUP query heads
-    that read it (GROUPED: GROUP > 1; else the one head, with no loop over heads) in increasing order, each over its query blocks in increasing order (diagonal ones masked,
-    then unmasked ones, then the tail beyond the last whole block)."""
+    that read it (GROUPED: GROUP > 1; else the one head, with no loop over heads) in increasing order, each
+    over its query blocks in increasing order (diagonal ones masked, then unmasked ones, then the tail beyond
+    the last whole block)."""
     pid_n = tl.program_id(0)
     bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H_kv folded over the grid's y and z
     if bh >= BH:  # the fold's last row of programs may overshoot
