@@ -153,25 +153,16 @@ def test_failed_checks_are_rerun_with_sdpa():
     assert isinstance(again["efficient"], dict) or "\n" not in again["efficient"]
 
 
-def test_gpu_suite_and_bench_run_on_cpu(tmp_path):
-    """The GPU scripts' code paths at toy sizes, through Triton's interpreter (real numbers need a GPU)."""
+def test_gpu_suite_correctness_and_fuzz_run_on_cpu(tmp_path):
+    """The GPU suite's correctness and fuzz sections at toy sizes, through Triton's interpreter (real numbers
+    need a GPU; its bias section and the benchmark run in tests/test_rerun.py, through chapter 2's re-run)."""
     from lowprec.cli import main as lowprec_main
 
-    assert lowprec_main(["measure", "suite", "--out", str(tmp_path), "--smoke", "--rows", "64", "--fuzz",
-                         "2"]) == 0
+    assert lowprec_main(["measure", "suite", "--out", str(tmp_path), "--smoke", "--sections",
+                         "correctness,fuzz", "--fuzz", "2"]) == 0
     suite = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert suite["provenance"]["git_commit"] and suite["errors"] == []
-    assert {r["impl"] for r in suite["bias"]} >= {"triton", "triton+fix", "emulated-fa2"}
-    kernel = {(r["impl"], r["case"]): r["o"]["mean"] for r in suite["bias"] if r["impl"] != "emulated-fa2"}
-    emulator = {r["case"]: r["o"]["mean"] for r in suite["bias"] if r["impl"] == "emulated-fa2"}
-    assert all(kernel["triton", case] == mean for case, mean in emulator.items())  # bit-identical on CPU
     assert all(r["pass"] for r in suite["correctness"]) and suite["fuzz"]["configs"] == 2
-
-    out = tmp_path / "bench.json"
-    assert lowprec_main(["bench", "attention", "--smoke", "--causal", "true", "--out", str(out)]) == 0
-    bench = json.loads(out.read_text())
-    assert {r["impl"] for r in bench["results"]} >= {"triton", "triton+fix"}
-    assert all(r["fwd+bwd_tflops"] > 0 for r in bench["results"] if r["impl"].startswith("triton"))
 
 
 def test_bf16_row_sum_swamps_the_tiles_after_a_dominant_key():
