@@ -4,6 +4,7 @@ would drive it)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import nbclient
@@ -99,12 +100,16 @@ def test_run_twin_thins_long_runs_and_keeps_their_ends() -> None:
 def test_control_twin() -> None:
     fig = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4)
     check_twin(fig, menu_entries=2, slider_steps=2)
-    # longer runs of the same configuration stand in for training at its own V mean: the same figure
-    longer = run_control(ControlConfig(steps=6), ("fa2",), ("lowp", "fix"), ("adam", "sgd"), False)["runs"]
+    # longer runs of a configuration stand in for training at its V mean, and only there: the same figure
+    default, edge = ControlConfig(steps=6), ControlConfig(steps=6, v_mean=-1.0)
+    longer = run_control(default, ("fa2",), ("lowp", "fix"), ("adam", "sgd"), False)["runs"]
+    at_edge = run_control(edge, ("fa2",), ("fix",), ("sgd",), False)["runs"]
+    other = {"fa2/adam/fix": longer["fa2/adam/fix"]}  # stored under a config the twin does not show
     cached_arm.cache_clear()
     reused = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4,
-                          trained={key: run for key, run in longer.items() if "lowp" in key})
-    assert reused.to_json() == fig.to_json() and cached_arm.cache_info().misses == 6  # 8 runs, 2 reused
+                          trained={default: {key: run for key, run in longer.items() if "lowp" in key},
+                                   edge: at_edge, replace(default, bias_weight=2.0): other})
+    assert reused.to_json() == fig.to_json() and cached_arm.cache_info().misses == 5  # 8 runs, 3 reused
 
 
 # Each live panel, all in one kernel: build it small, remember its text and figure, change one control,

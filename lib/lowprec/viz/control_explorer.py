@@ -102,17 +102,19 @@ def control_twin(
     steps: int = 150,
     placement: str = "fa2",
     cfg: ControlConfig | None = None,
-    trained: dict[str, dict] | None = None,
+    trained: dict[ControlConfig, dict[str, dict]] | None = None,
 ) -> go.Figure:
     """The explorer for a page without a kernel: every arm in one figure, a menu for the optimizer, a slider
     for V's mean; every (optimizer, V mean, arm) run is trained here, `steps` steps each, except those that
-    `trained` holds: runs of `cfg` itself at least `steps` long (by "<placement>/<optimizer>/<arm>", e.g.
-    recorded_control's), whose first `steps` steps are the same run (no step depends on cfg.steps)."""
+    `trained` holds: runs at least `steps` long by their config (each a dict by
+    "<placement>/<optimizer>/<arm>", e.g. recorded_control's), used where cfg with that V mean is their config
+    apart from its length (no step depends on cfg.steps, so their first `steps` steps are the same run)."""
     cfg = cfg or ControlConfig()
     base = replace(cfg, steps=steps)
 
     def run(optimizer: str, v_mean: float, arm: str) -> dict:
-        done = (trained or {}).get(f"{placement}/{optimizer}/{arm}") if v_mean == cfg.v_mean else None
+        done = next((runs.get(f"{placement}/{optimizer}/{arm}") for config, runs in (trained or {}).items()
+                     if replace(config, steps=steps) == replace(base, v_mean=v_mean)), None)
         if done is not None and len(done["series"]["w_r"]) >= steps:
             return {"series": {key: values[:steps] for key, values in done["series"].items()}}
         return cached_arm(replace(base, v_mean=v_mean), placement, arm, optimizer)
