@@ -54,6 +54,21 @@ def test_round_trip(tmp_path):
     assert math.isnan(rounded[0]) and rounded[1:] == [math.inf, 0.0, 123460000.0]
 
 
+def test_an_unchanged_run_is_read_once_per_process(tmp_path):
+    """load_run gives the same Run while the folder's files are unchanged, and reads again after an append
+    (a running run) or a rewrite (its summary updated)."""
+    w = RunWriter(tmp_path, CONFIG)
+    w.log(record(0))
+    first = load_run(tmp_path)
+    assert load_run(tmp_path) is first
+    w.log(record(5))
+    appended = load_run(tmp_path)
+    assert appended is not first and [m["step"] for m in appended.metrics] == [0, 5]
+    w.update_summary(status="finished", steps=6)
+    w.close()
+    assert load_run(tmp_path).summary["status"] == "finished" and load_run(tmp_path) is load_run(tmp_path)
+
+
 def test_written_incrementally_and_resume_truncates(tmp_path):
     w = RunWriter(tmp_path, CONFIG)
     w.log(record(0))

@@ -352,11 +352,36 @@ def load_config(run_dir: str | Path) -> dict:
     return record["config"]
 
 
+RUN_FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
+LOADED_RUNS = 128  # runs load_run keeps per process (a chapter reads each of the ~70 records several times)
+_loaded: dict[Path, tuple[tuple, Run]] = {}  # folder as given -> (its files' stamp, the Run read from them)
+
+
+def _stamp(path: Path) -> tuple:
+    """(name, inode, mtime in ns, size) of each of a run folder's files (None where one is missing): an
+    append changes the size, a rewrite (atomic_write: a new file renamed into place) the inode."""
+    stats = {name: (path / name).stat() if (path / name).exists() else None for name in RUN_FILES}
+    return tuple((name, st and (st.st_ino, st.st_mtime_ns, st.st_size)) for name, st in stats.items())
+
+
 def load_run(run_dir: str | Path) -> Run:
-    """Load and validate a run folder; raises RunRecordError naming the bad file (and line)."""
+    """Load and validate a run folder; raises RunRecordError naming the bad file (and line). A folder whose
+    files are unchanged since this process last read it gives the same Run again (treat it as read-only)."""
     path = Path(run_dir)
     if not path.is_dir():
         raise RunRecordError(f"run folder {path} does not exist")
+    key, stamp = path, _stamp(path)
+    if key in _loaded and _loaded[key][0] == stamp:
+        _loaded[key] = _loaded.pop(key)  # most recently used last
+        return _loaded[key][1]
+    run = _read_run(path)
+    _loaded[key] = (stamp, run)
+    while len(_loaded) > LOADED_RUNS:
+        del _loaded[next(iter(_loaded))]
+    return run
+
+
+def _read_run(path: Path) -> Run:
     record = _read_json(path / "config.json")
     for key in ("config", "provenance"):
         if key not in record:
