@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import functools
 import importlib.metadata
 import json
 import math
@@ -353,15 +354,19 @@ def load_config(run_dir: str | Path) -> dict:
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
-LOADED_RUNS = 128  # runs load_run keeps per process (a chapter reads each of the ~70 records several times)
-_loaded: dict[Path, tuple[tuple, Run]] = {}  # folder as given -> (its files' stamp, the Run read from them)
 
 
 def _stamp(path: Path) -> tuple:
-    """(name, inode, mtime in ns, size) of each of a run folder's files (None where one is missing): an
-    append changes the size, a rewrite (atomic_write: a new file renamed into place) the inode."""
-    stats = {name: (path / name).stat() if (path / name).exists() else None for name in RUN_FILES}
-    return tuple((name, st and (st.st_ino, st.st_mtime_ns, st.st_size)) for name, st in stats.items())
+    """(inode, mtime in ns, size) of each of a run folder's files (None where one is missing): an append
+    changes the size, a rewrite (atomic_write: a new file renamed into place) the inode."""
+    def of(file: Path) -> tuple[int, int, int] | None:
+        try:
+            st = file.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    return tuple(of(path / name) for name in RUN_FILES)
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -370,18 +375,12 @@ def load_run(run_dir: str | Path) -> Run:
     path = Path(run_dir)
     if not path.is_dir():
         raise RunRecordError(f"run folder {path} does not exist")
-    key, stamp = path, _stamp(path)
-    if key in _loaded and _loaded[key][0] == stamp:
-        _loaded[key] = _loaded.pop(key)  # most recently used last
-        return _loaded[key][1]
-    run = _read_run(path)
-    _loaded[key] = (stamp, run)
-    while len(_loaded) > LOADED_RUNS:
-        del _loaded[next(iter(_loaded))]
-    return run
+    return _read_run(path, _stamp(path))
 
 
-def _read_run(path: Path) -> Run:
+@functools.lru_cache(maxsize=128)  # a chapter reads each of the ~70 records several times
+def _read_run(path: Path, stamp: tuple) -> Run:
+    """The Run in `path` (read afresh for each new `stamp` of its files)."""
     record = _read_json(path / "config.json")
     for key in ("config", "provenance"):
         if key not in record:

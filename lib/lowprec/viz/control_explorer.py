@@ -113,11 +113,12 @@ def control_twin(
     base = replace(cfg, steps=steps)
 
     def run(optimizer: str, v_mean: float, arm: str) -> dict:
+        wanted = replace(base, v_mean=v_mean)
         done = next((runs.get(f"{placement}/{optimizer}/{arm}") for config, runs in (trained or {}).items()
-                     if replace(config, steps=steps) == replace(base, v_mean=v_mean)), None)
+                     if replace(config, steps=steps) == wanted), None)
         if done is not None and len(done["series"]["w_r"]) >= steps:
             return {"series": {key: values[:steps] for key, values in done["series"].items()}}
-        return cached_arm(replace(base, v_mean=v_mean), placement, arm, optimizer)
+        return cached_arm(wanted, placement, arm, optimizer)
 
     runs = {(o, vm, a): run(o, vm, a) for o in optimizers for vm in v_means for a in arms}
     fig = _frame(f"Positive control ({placement}): pick the optimizer (menu) and V's mean (slider)",
