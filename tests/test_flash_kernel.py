@@ -609,3 +609,14 @@ def test_gpt_compiles_around_the_kernel_without_graph_breaks():
             torch.testing.assert_close(loss, eager[0], rtol=1e-5, atol=0)
             for a, b in zip(grads, eager[1], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
+
+def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
+    """--launch's rows: microseconds per call of each implementation's fwd and fwd+bwd loop (CUDA graphs
+    need a GPU, so on the CPU only the plain loop; a plain torch attention stands in for the kernels here)."""
+    from lowprec.instruments.bench_attention import launch_overhead
+
+    rows = launch_overhead({"math": math_attention}, 1, 2, 64, 16, True, "cpu", calls=3)
+    assert [(r["impl"], r["mode"], r["calls"]) for r in rows] == [("math", "fwd", 3), ("math", "fwd+bwd", 3)]
+    assert all(r["plain_us"] > 0 and "graph_us" not in r and "plain_us_error" not in r for r in rows)

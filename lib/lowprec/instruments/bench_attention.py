@@ -18,6 +18,11 @@ N 4k-16k, head dim 128), Fix overhead <= 2% fwd+bwd and <= 5% fwd (the worst con
 
     lowprec bench attention --out results/attention/bench.json     # ~10 min on one H200 (compiles included)
     lowprec bench attention --smoke                                # CPU, seconds
+    lowprec bench attention --launch --seq 1024,16384 --head-dim 128 --causal true   # host cost per call
+
+With --launch, each configuration's fwd and fwd+bwd calls run LAUNCH_CALLS times in a loop timed once around
+it (host work included: argument checks, autotune lookup, launches) and, on a GPU, the same loop captured in a
+CUDA graph and replayed (kernels only); `launch` rows give microseconds per call of both and their ratio.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=900.0,
         help="seconds; no new (seq, head dim, causal) configuration starts after this (results are kept)",
+    )
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="time the host's share instead: a loop of calls, plain against replayed from a CUDA graph",
     )
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
@@ -159,6 +169,65 @@ def bench_config(impls: dict[str, Callable], batch: int, heads: int, seq: int, h
     return out
 
 
+LAUNCH_CALLS = 50
+
+
+def loop_us(fn: Callable[[], object], device: str, grads: list[torch.Tensor], graph: bool,
+            calls: int) -> float:
+    """Median over 3 repeats of microseconds per call of `calls` calls of fn, timed around the whole loop;
+    with `graph`, the loop is captured once in a CUDA graph and replayed."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def loop():
+        for _ in range(calls):
+            fn()
+
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        for g in grads:
+            g.grad = None
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            loop()
+        loop = cuda_graph.replay
+    loop()
+    times = []
+    for _ in range(3):
+        sync()
+        start = time.perf_counter()
+        loop()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+    return sorted(times)[1]
+
+
+def launch_overhead(impls: dict[str, Callable], batch: int, heads: int, seq: int, head_dim: int, causal: bool,
+                    device: str, calls: int = LAUNCH_CALLS) -> list[dict]:
+    """Per implementation and mode (fwd, fwd+bwd): microseconds per call plain and from a CUDA graph (GPU
+    only), their ratio, or the error that stopped either."""
+    rows = []
+    for name, fn in impls.items():
+        fns, grads = calls_of(fn, batch, heads, seq, head_dim, causal, device)
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
+                   "causal": causal, "mode": mode, "calls": calls}
+            for key, graph in (("plain_us", False), ("graph_us", True)):
+                if graph and device != "cuda":
+                    continue
+                try:
+                    row[key] = round(loop_us(fns[mode], device, grads, graph, calls), 2)
+                except Exception as exc:
+                    row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            if "plain_us" in row and "graph_us" in row:
+                row["plain_over_graph"] = round(row["plain_us"] / row["graph_us"], 3)
+            rows.append(row)
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from lowprec.runs import provenance, write_json  # records layer, imported only by this command
 
@@ -182,6 +251,19 @@ def run(args: argparse.Namespace) -> int:
         "results": [],
     }
     start = time.perf_counter()
+    if args.launch:
+        record["launch"] = []
+        for seq in seqs:
+            for head_dim in dims:
+                for causal in causals:
+                    batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
+                    record["launch"] += launch_overhead(impls, batch, heads, seq, head_dim, causal, device,
+                                                        2 if args.smoke else LAUNCH_CALLS)
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        if args.out:
+            write_json(args.out, record)
+        print(launch_table(record["launch"]))
+        return 0
     for seq in seqs:
         for head_dim in dims:
             for causal in causals:
@@ -278,3 +360,15 @@ def table(record: dict) -> str:
     lines.append(f"device: {record['provenance'].get('device')}; {record.get('seconds')} s")
     return "\n".join(lines)
 
+
+
+def launch_table(rows: list[dict]) -> str:
+    """One line per (configuration, implementation, mode): microseconds per call plain and from a graph."""
+    lines = [f"{'seq':>6} {'D':>4} {'causal':>6} {'impl':<12} {'mode':<8} {'plain':>9} {'graph':>9}  us/call"]
+    for r in rows:
+        cells = [f"{r[k]:>9.1f}" if k in r else f"{'-':>9}" for k in ("plain_us", "graph_us")]
+        note = r.get("plain_us_error") or r.get("graph_us_error") or ""
+        ratio = f"{r['plain_over_graph']:.2f}x" if "plain_over_graph" in r else ""
+        lines.append(f"{r['seq']:>6} {r['head_dim']:>4} {r['causal']!s:>6} {r['impl']:<12} {r['mode']:<8} "
+                     f"{' '.join(cells)}  {ratio} {note}")
+    return "\n".join(lines)
