@@ -186,7 +186,8 @@ def loop_us(fn: Callable[[], object], device: str, grads: list[torch.Tensor], gr
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
-            fn()
+            for _ in range(3):
+                fn()
         torch.cuda.current_stream().wait_stream(side)
         for g in grads:
             g.grad = None
