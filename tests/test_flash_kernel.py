@@ -620,3 +620,22 @@ def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
     rows = launch_overhead({"math": math_attention}, 1, 2, 64, 16, True, "cpu", calls=3)
     assert [(r["impl"], r["mode"], r["calls"]) for r in rows] == [("math", "fwd", 3), ("math", "fwd+bwd", 3)]
     assert all(r["plain_us"] > 0 and "graph_us" not in r and "plain_us_error" not in r for r in rows)
+
+
+def test_repeated_call_options_are_resolved_once(monkeypatch):
+    """An eager call resolves its options (precision, Fix, scale, blocks) once per distinct set: resolving
+    takes longer on the host than a short kernel on the GPU.
+    An unhashable option still gets its clear error."""
+    from lowprec.attention import flash
+
+    resolved = []
+    plan_call = flash.plan_call
+    monkeypatch.setattr(flash, "plan_call", lambda *a, **kw: resolved.append(a) or plan_call(*a, **kw))
+    options = (torch.bfloat16, 64, True, True, 0.1, Fix(beta=3.0), "paper:tile=64", None, None)
+    first = flash._op_options(*options)
+    count = len(resolved)
+    assert flash._op_options(*options) == first and len(resolved) == count
+    with pytest.raises(ValueError, match="causal"):  # 1 == True, but the cache tells them apart
+        flash._op_options(*options[:3], 1, *options[4:])
+    with pytest.raises(ValueError, match="fix"):
+        flash._op_options(*options[:5], [3.0], *options[6:])

@@ -350,7 +350,20 @@ def _op_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, s
                 block_n: int | None) -> tuple[str, str, float, int, int]:
     """The custom op's plain option arguments (precision spec, Fix spec or "", fp32 scale, block sizes or
     0 = autotune), validated. torch.compile runs this once while tracing and keeps its result as constants,
-    so that Dynamo never traces the Precision and Fix objects."""
+    so that Dynamo never traces the Precision and Fix objects; eager calls find repeated options in a cache
+    (resolving them takes ~0.2 ms of host time, longer than a short kernel)."""
+    args = (dtype, head_dim, on_gpu, causal, scale, fix, precision, block_m, block_n)
+    try:
+        hash(args)
+    except TypeError:  # an unhashable option: resolving it names the argument
+        return _resolve_options.__wrapped__(*args)
+    return _resolve_options(*args)
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _resolve_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
+                     fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
+                     block_n: int | None) -> tuple[str, str, float, int, int]:
     plan = plan_call(torch.empty((1, 1, 1, head_dim), dtype=dtype, device="meta"), causal, precision, fix,
                      block_m, block_n, scale)
     blocks = (plan.block_m, plan.block_n) if (plan.tiles_given or INTERPRET) else (0, 0)
