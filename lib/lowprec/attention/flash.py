@@ -23,7 +23,8 @@ torch.compile: the kernels are two custom ops, `torch.ops.lowprec.flash_forward`
 registered as the forward's autograd formula). Their options are plain values (the precision's and the Fix's
 spec strings, floats, ints, bools), resolved inside the op, so Dynamo traces `flash_attention` without a graph
 break and Inductor compiles the model around the kernels (it calls them as opaque ops and never re-compiles
-them).
+them). Eager calls skip the ops' dispatch (~0.2 ms of host time a call) through an autograd.Function over the
+same two functions.
 
 Launch
 - Block sizes: under the interpreter BLOCK_M = BLOCK_N = 64 (or Precision.tile, or block_m/block_n), the same
@@ -258,10 +259,9 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty((B, H, N, D))
 
 
-@torch.library.custom_op("lowprec::flash_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, precision: str,
-                fix: str, seed: int, block_m: int, block_n: int, with_stats: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   precision: str, fix: str, seed: int, block_m: int, block_n: int, with_stats: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, lse, stats): the forward kernel. precision, fix: spec strings ("" = no Fix); seed < 0: drawn from
     torch's generator when the precision rounds stochastically; block sizes 0: autotuned; stats: the
     counters (len(STAT_NAMES), B, H, Nq) int32 when with_stats, else an empty tensor."""
@@ -284,6 +284,9 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return o, lse, stats
 
 
+_forward_op = torch.library.custom_op("lowprec::flash_forward", _flash_forward, mutates_args=())
+
+
 @_forward_op.register_fake
 def _forward_fake(q, k, v, causal, scale, precision, fix, seed, block_m, block_n, with_stats):
     B, H, N, _ = q.shape
@@ -301,10 +304,9 @@ def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-@torch.library.custom_op("lowprec::flash_backward", mutates_args=())
-def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                 do: torch.Tensor, causal: bool, scale: float, precision: str, block_m: int, block_n: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                    do: torch.Tensor, causal: bool, scale: float, precision: str, block_m: int, block_n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv): the backward kernels (delta, dK/dV per key/value head, dQ), options as _forward_op's."""
     B, H, N, D = q.shape
     H_kv, n_k = k.shape[1], k.shape[2]
@@ -320,6 +322,9 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
     _launch(_dq, _dq_tuned, run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
             *map(_strides, (q, k, v, do, dq)), *sizes, B * H, run.scale, **common)
     return dq, dk, dv
+
+
+_backward_op = torch.library.custom_op("lowprec::flash_backward", _flash_backward, mutates_args=())
 
 
 @_backward_op.register_fake
@@ -342,6 +347,22 @@ def _backward_formula(ctx, do, _dlse, _dstats):
 
 
 _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+class _EagerFlash(torch.autograd.Function):
+    """The custom ops' forward and backward for eager calls, without their dispatch: torch.library's
+    autograd wrapper costs ~0.2 ms of host time per call, longer than a short kernel."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _flash_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, _dlse, _dstats):
+        q, k, v, o, lse = ctx.saved_tensors
+        return *_flash_backward(q, k, v, o, lse, do, *ctx.options), *(None,) * 8
 
 
 @torch.compiler.assume_constant_result
@@ -403,8 +424,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     precision_spec, fix_spec, scale, block_m, block_n = _op_options(
         q.dtype, q.shape[-1], q.is_cuda, causal, scale, fix, precision, block_m, block_n)
     seed = -1 if seed is None else seed
-    o, lse, stats = torch.ops.lowprec.flash_forward(q, k, v, causal, scale, precision_spec, fix_spec, seed,
-                                                    block_m, block_n, return_stats)
+    forward = torch.ops.lowprec.flash_forward if torch.compiler.is_compiling() else _EagerFlash.apply
+    o, lse, stats = forward(q, k, v, causal, scale, precision_spec, fix_spec, seed, block_m, block_n,
+                            return_stats)
     extra = ([lse] if return_lse else []) + ([AttentionStats(*stats.unbind(0))] if return_stats else [])
     return (o, *extra) if extra else o
 
