@@ -307,7 +307,8 @@ def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
                     do: torch.Tensor, causal: bool, scale: float, precision: str, block_m: int, block_n: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv): the backward kernels (delta, dK/dV per key/value head, dQ), options as _forward_op's."""
+    """(dq, dk, dv): the backward kernels (delta, dK/dV per key/value head, dQ); options as in
+    _flash_forward."""
     B, H, N, D = q.shape
     H_kv, n_k = k.shape[1], k.shape[2]
     run = _resolve(precision, "", q.dtype, D, causal, scale, block_m, block_n)

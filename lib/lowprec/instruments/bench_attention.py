@@ -18,7 +18,7 @@ N 4k-16k, head dim 128), Fix overhead <= 2% fwd+bwd and <= 5% fwd (the worst con
 
     lowprec bench attention --out results/attention/bench.json     # ~10 min on one H200 (compiles included)
     lowprec bench attention --smoke                                # CPU, seconds
-    lowprec bench attention --launch --seq 1024,16384 --head-dim 128 --causal true   # host cost per call
+    lowprec bench attention --launch --seq 256,1024 --head-dim 64,128      # host time per call
 
 With --launch, each configuration's fwd and fwd+bwd calls run LAUNCH_CALLS times in a loop timed once around
 it (host work included: argument checks, autotune lookup, launches) and, on a GPU, the same loop captured in a
@@ -360,7 +360,6 @@ def table(record: dict) -> str:
         lines.append(f"targets (N 4k-16k, d=128): {record['targets']}")
     lines.append(f"device: {record['provenance'].get('device')}; {record.get('seconds')} s")
     return "\n".join(lines)
-
 
 
 def launch_table(rows: list[dict]) -> str:
