@@ -54,6 +54,25 @@ def test_round_trip(tmp_path):
     assert math.isnan(rounded[0]) and rounded[1:] == [math.inf, 0.0, 123460000.0]
 
 
+def test_a_compressed_record_reads_the_same_and_is_not_written_to(tmp_path):
+    """A finished record with metrics.jsonl gzipped (as results/ stores them) loads as before and is listed;
+    no writer opens it, fresh or resumed."""
+    import gzip
+
+    write_run(tmp_path / "a")
+    plain = load_run(tmp_path / "a")
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    metrics.with_name("metrics.jsonl.gz").write_bytes(gzip.compress(metrics.read_bytes(), mtime=0))
+    metrics.unlink()
+    packed = load_run(tmp_path / "a")
+    assert packed.metrics == plain.metrics and packed.summary == plain.summary
+    assert [r["path"] for r in list_runs(tmp_path)] == [str(tmp_path / "a")]
+    for resume in (False, True):
+        with pytest.raises(RunRecordError, match="compressed"):
+            RunWriter(tmp_path / "a", CONFIG, resume=resume)
+    assert not metrics.exists()
+
+
 def test_an_unchanged_run_is_read_once_per_process(tmp_path):
     """load_run gives the same Run while the folder's files are unchanged, and reads again after an append
     (a running run) or a rewrite (its summary updated)."""

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from lowprec.runs import SIGNIFICANT, Run, check_target, load_run, write_json
+from lowprec.runs import SIGNIFICANT, Run, check_target, load_run, metrics_file, write_json
 
 # ---- comparing records (no torch) ----
 
@@ -156,7 +156,7 @@ def replay(run_dir: str | Path, from_step: int, fix: bool, beta: float = 2.0, en
     original = read_config(run_dir)
     default = run_dir / f"replay-from-{from_step}-fix-{'on' if fix else 'off'}"
     out = check_target(out if out is not None else default, "--out")
-    if (out / "metrics.jsonl").exists():
+    if metrics_file(out).exists():
         raise ValueError(f"--out {out} already holds a run (an earlier replay?): remove it or pass another "
                          "--out")
     if end is None:

@@ -12,6 +12,9 @@ A run folder holds
 - `writer.lock`: the PID of the process writing the record, which holds an OS lock on it (`RunLock`) from
   `RunWriter` open to close: a second writer is refused, and a record left "running" by a process that
   died is told apart from a live one (`run_state`: "killed").
+A finished record's metrics.jsonl may be stored gzip-compressed as `metrics.jsonl.gz` (the committed records
+under results/ are, with `gzip -n9`, so that the tree that travels to a GPU machine stays small): readers
+take either (`metrics_file`); writers refuse such a folder.
 Lines are appended and flushed as they happen, floats rounded to `SIGNIFICANT` digits, so a run killed at any
 moment leaves a readable record but for a last line cut off, which a resume drops. This module must not import
 torch (the book loads records fast); `provenance` asks torch for versions only if the caller already imported
@@ -23,6 +26,7 @@ from __future__ import annotations
 import datetime
 import fcntl
 import functools
+import gzip
 import importlib.metadata
 import json
 import math
@@ -188,6 +192,9 @@ class RunWriter:
             raise
 
     def _open(self, config: dict, command: list[str] | None, resume: bool) -> None:
+        if (self.dir / "metrics.jsonl.gz").exists():
+            raise RunRecordError(f"{self.dir} holds a finished, compressed record (metrics.jsonl.gz): "
+                                 "write to a new --out folder")
         if resume:
             for name in FILES:
                 if not (self.dir / name).exists():
@@ -320,7 +327,7 @@ def _parse_line(path: Path, number: int, line: str, required: tuple[str, ...], t
 def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
     if not path.exists():
         raise RunRecordError(f"{path} is missing")
-    text = path.read_text()
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     lines = text.splitlines()
     return [_parse_line(path, number, line, required, torn=number == len(lines) and not text.endswith("\n"))
             for number, line in enumerate(lines, start=1) if line.strip()]
@@ -353,7 +360,14 @@ def load_config(run_dir: str | Path) -> dict:
     return record["config"]
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.gz", "events.jsonl", "summary.json")
+
+
+def metrics_file(run_dir: str | Path) -> Path:
+    """A run folder's metrics: metrics.jsonl, or metrics.jsonl.gz where only that exists."""
+    plain = Path(run_dir) / "metrics.jsonl"
+    packed = plain.with_name("metrics.jsonl.gz")
+    return packed if packed.exists() and not plain.exists() else plain
 
 
 def _stamp(path: Path) -> tuple:
@@ -385,10 +399,10 @@ def _read_run(path: Path, stamp: tuple) -> Run:
     for key in ("config", "provenance"):
         if key not in record:
             raise RunRecordError(f"{path / 'config.json'}: missing key {key!r}")
-    metrics = _read_jsonl(path / "metrics.jsonl", METRIC_KEYS)
+    metrics = _read_jsonl(metrics_file(path), METRIC_KEYS)
     for number, (prev, cur) in enumerate(zip(metrics, metrics[1:], strict=False), start=2):
         if cur["step"] <= prev["step"]:
-            raise RunRecordError(f"{path / 'metrics.jsonl'}: record {number} has step {cur['step']} after "
+            raise RunRecordError(f"{metrics_file(path)}: record {number} has step {cur['step']} after "
                                  f"step {prev['step']} (steps must increase)")
     events = _read_jsonl(path / "events.jsonl", EVENT_KEYS)
     summary = _read_json(path / "summary.json")
@@ -408,7 +422,7 @@ def list_runs(root: str | Path) -> list[dict]:
     runs = []
     for config in sorted(root.rglob("config.json")):
         summary_path = config.parent / "summary.json"
-        if (config.parent / "metrics.jsonl").exists():
+        if metrics_file(config.parent).exists():
             summary = _read_json(summary_path) if summary_path.exists() else {}
             runs.append({"path": str(config.parent), **summary})
     return runs

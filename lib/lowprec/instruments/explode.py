@@ -49,7 +49,7 @@ from lowprec.analysis import format_runs, run_summary
 from lowprec.attention import AttentionSpec, Fix, Precision
 from lowprec.attention.spec import backends_with
 from lowprec.configs import CONFIGS, get_config
-from lowprec.runs import check_target, provenance, write_json
+from lowprec.runs import check_target, metrics_file, provenance, write_json
 
 PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
               "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none",
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     for seed in seeds:  # a bad override or seed fails here, before anything starts
         get_config(args.config, [*args.overrides, f"seed={seed}"])
     taken = [run_name(arm, seed) for seed in seeds for arm in arms
-             if (Path(args.out) / run_name(arm, seed) / "metrics.jsonl").exists()]
+             if metrics_file(Path(args.out) / run_name(arm, seed)).exists()]
     if taken:
         raise ValueError(f"--out {args.out} already holds runs {taken}: choose a new --out folder")
     gpus = visible if args.gpus is None else args.gpus
