@@ -341,9 +341,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse, stats)
 
 
-def _backward_formula(ctx, do, _dlse, _dstats):
+def _backward_formula(ctx, do, _dlse, _dstats, backward=None):
+    """(dq, dk, dv, None x 8) by the backward custom op, or by `backward` (the eager path's function)."""
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.lowprec.flash_backward(q, k, v, o, lse, do, *ctx.options)
+    dq, dk, dv = (backward or torch.ops.lowprec.flash_backward)(q, k, v, o, lse, do, *ctx.options)
     return dq, dk, dv, *(None,) * 8
 
 
@@ -361,9 +362,8 @@ class _EagerFlash(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx, do, _dlse, _dstats):
-        q, k, v, o, lse = ctx.saved_tensors
-        return *_flash_backward(q, k, v, o, lse, do, *ctx.options), *(None,) * 8
+    def backward(ctx, do, dlse, dstats):
+        return _backward_formula(ctx, do, dlse, dstats, _flash_backward)
 
 
 @torch.compiler.assume_constant_result
