@@ -8,6 +8,9 @@
 #   PHASE=pack    packs the records as they stand (no checkpoints) into $OUT/$NAME-partial.tgz without waiting:
 #                 end every device call with it, so that a machine given back before the next call (idle
 #                 release, a lost turn) loses only the steps since
+#   PHASE=watch   starts a watcher in its own process session that replays each run of WATCH (run names of
+#                 NAME, e.g. "paper64-s1337") with the Fix off and on as soon as it reaches the stop rule, while
+#                 the experiment's other runs go on (the same window as finish; then finish needs REPLAYS=0)
 #   PHASE=finish  waits for it, then (unless REPLAYS=0), for every run that diverged and kept checkpoints,
 #                 replays from the last kept checkpoint at least REPLAY_LEAD steps before the explosion with the
 #                 Fix on and off (`lowprec replay`, one GPU each), and packs the records (no checkpoints) into
@@ -42,7 +45,7 @@ fi
 if [ "$PHASE" = wait ]; then
   end=$((SECONDS + ${WAIT_S:-540}))
   alive() { for f in "$@"; do [ -e "$f" ] && kill -0 "$(cat "$f")" 2> /dev/null && return 0; done; return 1; }
-  pids=(); for NAME1 in $NAME; do pids+=("$RUNS/$NAME1.pid" "$RUNS/$NAME1.criterion.pid"); done
+  pids=(); for NAME1 in $NAME; do pids+=("$RUNS/$NAME1.pid" "$RUNS/$NAME1.criterion.pid" "$RUNS/$NAME1.watch.pid"); done
   while [ $SECONDS -lt $end ] && alive "${pids[@]}"; do sleep 5; done
   alive "${pids[@]}" && echo "still running after ${WAIT_S:-540} s" || echo "all ended"
   exit 0
@@ -62,6 +65,34 @@ if [ "$PHASE" = start ]; then
   setsid nohup python3 -m lowprec.cli experiment explode --out "$EXP" $ARGS > "$EXP.log" 2>&1 < /dev/null &
   echo $! > "$EXP.pid"
   echo "started $NAME (pid $!)"
+  exit 0
+fi
+if [ "$PHASE" = watch ]; then
+  # shellcheck disable=SC2016
+  setsid nohup bash -c '
+    EXP=$1 REPLAY_LEAD=$2 REPLAY_AFTER=$3; shift 3; left=("$@")
+    while [ ${#left[@]} -gt 0 ]; do
+      running=0; kill -0 "$(cat "$EXP.pid")" 2> /dev/null && running=1  # one more look after the harness ends
+      waiting=()
+      for name in "${left[@]}"; do
+        [ -e "$EXP/$name/summary.json" ] || { waiting+=("$name"); continue; }  # written when the run ends
+        window=$(python3 -c "import sys; from lowprec.replay import replay_window as w; \
+print(*(w(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])) or ()))" "$EXP/$name" "$REPLAY_LEAD" "$REPLAY_AFTER")
+        if [ -z "$window" ]; then waiting+=("$name"); continue; fi
+        read -r from to <<< "$window"
+        echo "$(date +%T) $name stopped: replays from $from to $to"
+        for fix in off on; do
+          python3 -m lowprec.cli replay "$EXP/$name" --from "$from" --to "$to" --fix $fix \
+            --set progress=false > "$EXP/$name-replay-$fix.log" 2>&1 &
+        done
+      done
+      left=("${waiting[@]}")
+      [ $running = 1 ] || break
+      sleep 20
+    done
+    wait' watch "$EXP" "$REPLAY_LEAD" "$REPLAY_AFTER" $WATCH > "$EXP/watch.log" 2>&1 < /dev/null &
+  echo $! > "$EXP.watch.pid"
+  echo "watching $WATCH of $NAME (pid $!)"
   exit 0
 fi
 # finish: wait for the harness (it writes experiment.json last)
