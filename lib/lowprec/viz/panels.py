@@ -49,6 +49,8 @@ class LivePanel:
     displays itself (the last expression of a cell); `widget` is its ipywidgets part, `figure` the figure
     shown, `text` the Output that holds the text. (The figure is not put into the Output widget: a client
     that mirrors Output widgets, as nbclient does when the book executes, stalls on large outputs there.)
+    `layout` optionally groups the controls into rows (control names, one row each, every control once);
+    by default they share one wrapping row.
     """
 
     def __init__(
@@ -56,13 +58,18 @@ class LivePanel:
         controls: dict[str, widgets.Widget],
         compute: Callable[[dict], tuple[str, go.Figure]],
         note: str = "",
+        layout: Sequence[Sequence[str]] = (),
     ) -> None:
         self.controls, self.compute = controls, compute
         self.text = widgets.Output()
         self.figure: go.Figure | None = None
         self.handle = None
-        parts = [widgets.HTML(SNAPSHOT_NOTE), widgets.HBox(list(controls.values()),
-                                                           layout={"flex_flow": "row wrap"})]
+        rows = [list(names) for names in layout] or [list(controls)]
+        if sorted(name for names in rows for name in names) != sorted(controls):
+            raise ValueError(f"layout must name every control once ({sorted(controls)}), got {rows}")
+        boxes = [widgets.HBox([controls[name] for name in names], layout={"flex_flow": "row wrap"})
+                 for names in rows]
+        parts = [widgets.HTML(SNAPSHOT_NOTE), *boxes]
         if note:
             parts.append(widgets.HTML(f"<i>{note}</i>"))
         self.widget = widgets.VBox([*parts, self.text])
