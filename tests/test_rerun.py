@@ -23,3 +23,33 @@ def test_chapter3_rerun_trains_both_arms() -> None:
     assert set(live) == {"paper64", "fa2"}
     for arm in live.values():
         assert arm["steps"][-1] == 19 and len(arm["layer1_logit"]) == len(arm["telemetry_steps"]) == 2
+
+
+def test_chapter4_rerun_trains_and_reads_the_key_sources() -> None:
+    """A short run of the authors' placement with a checkpoint at its end, and the bias-noise key sources of
+    layer index 1 on it (what chapter 4 reads from the lead's records)."""
+    from lowprec.instruments.lowrank import SIMILARITIES
+
+    live = rerun.chapter4(smoke=True)
+    assert live["ckpt_step"] == 20 and live["steps"] == (10, 15) and live["wq_norm"] > 0
+    assert set(live["similarity"]) == set(SIMILARITIES)
+    assert all(-1 <= value <= 1 for value in live["similarity"].values())
+    assert len(live["sources"]) == 2  # the smoke model's two heads
+    for head in live["sources"]:
+        assert 0 < head["mean_key_cos"] <= 1 and head["half_positions"] >= 1
+
+
+def test_chapter5_rerun_measures_the_cures_through_the_kernel() -> None:
+    """Three cures through the kernel (Triton's interpreter here) on one family, bit-identical with the
+    emulator's cure table on the same rows, and their cost against plain fa2."""
+    from lowprec.instruments.cures import CURES, FAMILIES, cure_table
+
+    live = rerun.chapter5(smoke=True)
+    assert live["device"] == "cpu" and live["rows"] == 64 and not live["bias_errors"]
+    names = ["none (fa2)", "Fix", "consistent"]
+    assert [r["impl"] for r in live["bias"]] == names
+    emulated = cure_table([c for c in CURES if c.name in names], FAMILIES[:1], rows=64)
+    assert [r["o"]["mean"] for r in live["bias"]] == [r.o.mean for r in emulated]
+    measured = {(row["cure"], row["causal"]) for row in live["cost"]}
+    assert measured == {(name, causal) for name in names for causal in (False, True)}
+    assert all(row["fwd+bwd_vs_fa2"] > 0 for row in live["cost"])

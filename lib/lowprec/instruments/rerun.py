@@ -60,3 +60,58 @@ def chapter3(smoke: bool) -> dict:
             result[arm] = {"steps": run.series("loss")[0], "loss": run.series("loss")[1],
                            "telemetry_steps": steps, "layer1_logit": [max(s[layer]) for s in logits]}
     return result
+
+
+def chapter4(smoke: bool) -> dict:
+    """A short run of the lead's recipe in the authors' placement (seed 1337, `lowprec train`) with telemetry
+    and a checkpoint at its end, then `lowprec experiment bias-noise` on that checkpoint with the key sources:
+    what chapter 4 reads from the lead's records, for layer index 1. Returns {"steps": the similarity window's
+    first and last step, "similarity": {signal: mean over heads and the second half of the samples},
+    "wq_norm": largest ‖W_Q,h‖₂ at the last sample, "ckpt_step", "sources": the layer's heads (bias_noise's
+    sources)}. On a GPU, 600 steps and 4 batches of 8 sequences (a few minutes on one H200)."""
+    from lowprec.configs import get_config
+    from lowprec.instruments import lowrank
+    from lowprec.runs import load_run
+    from lowprec.train import train
+
+    if smoke:
+        recipe = ["max_iters=20", "telemetry_interval=5", "attention=emulated/precision=paper:tile=64"]
+        base, measure = "smoke-cpu", ["--batches", "2", "--keys-batches", "2", "--batch-size", "2"]
+    else:
+        recipe = ["lr=2e-3", "warmup_iters=200", "lr_decay_iters=30000", "max_iters=600",
+                  "telemetry_interval=50", "attention=triton/precision=paper:tile=64"]
+        base, measure = "gpu-6l", ["--batches", "4", "--keys-batches", "2", "--batch-size", "8"]
+    common = ["seed=1337", "eval_interval=0", "ckpt_interval=0", "progress=false"]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "paper64"
+        train(get_config(base, [*recipe, *common]), out)
+        run = load_run(out)
+        invoke("lowprec.instruments.bias_noise",
+               [str(out), "--ckpt", str(out / "checkpoint" / "ckpt.pt"), *measure, "--out", f"{tmp}/bn.json"])
+        found = json.loads(Path(f"{tmp}/bn.json").read_text())["checkpoints"][-1]
+    sim = lowrank.run_similarity(run)
+    layer = min(1, sim.mean.shape[0] - 1)
+    wq = lowrank.telemetry_array(run, "wq_norm")[1]
+    return {"steps": sim.steps, "wq_norm": float(wq[-1, layer].max()), "ckpt_step": found["step"],
+            "similarity": dict(zip(lowrank.SIMILARITIES, sim.mean[layer].tolist(), strict=True)),
+            "sources": found["sources"][layer]}
+
+
+def chapter5(smoke: bool) -> dict:
+    """The cures through our Triton kernel on the bias harness's families and their cost against plain fa2,
+    as `lowprec measure cures` measures them (`cures.cure_table` with kernel=True, `cures.cost_table`),
+    shorter: on a GPU every cure on every family at 16,384 rows and one timing round at N = 4,096, d = 128
+    (about two minutes on one H200); smoke: three cures on one family at 64 rows and one head of 64 keys for
+    the cost. The device is CUDA where there is one. Returns {"device", "rows", "bias": BiasResult dicts,
+    "bias_errors", "cost": cost_table's rows}."""
+    import torch
+    from lowprec.instruments.cures import CURES, FAMILIES, cost_table, cure_table
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cures = [c for c in CURES if c.name in ("none (fa2)", "Fix", "consistent")] if smoke else list(CURES)
+    families, rows, errors = (FAMILIES[:1], 64, {}) if smoke else (FAMILIES, 16384, {})
+    bias = cure_table(cures, families, rows, kernel=True, device=device, errors=errors)
+    sizes = ({"seq": 64, "head_dim": 16, "tokens": 64, "hidden": 16} if smoke
+             else {"seq": 4096, "head_dim": 128})
+    return {"device": device, "rows": rows, "bias": [r.to_dict() for r in bias], "bias_errors": errors,
+            "cost": cost_table(cures, device=device, rounds=1, **sizes)}
