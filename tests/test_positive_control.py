@@ -10,6 +10,7 @@ import pytest
 from lowprec.cli import main
 from lowprec.instruments.positive_control import (
     ControlConfig,
+    agrees,
     bias_probe,
     criterion_probe,
     delta_identity,
@@ -133,6 +134,16 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     out.write_text(json.dumps(record))
     with pytest.raises(ValueError, match="no per-step series"):
         recorded_control(out, cfg, "fa2/adam/lowp")
+
+
+def test_a_number_near_zero_is_compared_at_its_records_scale():
+    """Trained again on another CPU or torch version, a drift near zero (0.0062 recorded, beside runs that
+    drift by 6.8) may move by more than 2% of itself: it agrees within 0.1% of the record's scale only."""
+    assert agrees(0.0075, 0.0062, scale=6.8) and agrees(-0.0004, 0.0062, scale=6.8)
+    assert not agrees(0.02, 0.0062, scale=6.8) and not agrees(0.0075, 0.0062, scale=0.0062)
+    assert agrees(6.9, 6.8, scale=6.8) and not agrees(7.1, 6.8, scale=6.8)
+    assert agrees(189, 187, scale=0.0) and not agrees(190, 187, scale=0.0), "collapse steps: within 2"
+    assert agrees(None, None, scale=1.0) and not agrees(None, 187, scale=1.0)
 
 
 def test_cures_record_and_its_live_run(tmp_path):

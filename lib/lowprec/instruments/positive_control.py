@@ -512,13 +512,25 @@ def train_run(cfg: ControlConfig, key: str) -> dict:
     return run_cure(cfg, cure, optimizer)
 
 
+def agrees(now: float | None, then: float | None, scale: float) -> bool:
+    """A summary number trained again against its record: a collapse step (int) within 2 steps, any other
+    number within 2%, or within 0.1% of `scale` (the largest |value| the record holds for that number, so that
+    a value near zero, where another CPU or torch version rounds the last bits differently, is compared at
+    the record's own scale), or at least within 1e-4; None and NaN only with themselves."""
+    if now is None or then is None:
+        return now == then
+    if isinstance(then, int):
+        return abs(now - then) <= 2
+    close = math.isclose(now, then, rel_tol=2e-2, abs_tol=max(1e-4, 1e-3 * scale))
+    return close or (math.isnan(now) and math.isnan(then))
+
+
 def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> dict[str, dict]:
     """The runs of a record written by `lowprec experiment positive-control --series` for `cfg`, by key, with
-    run `live` (a key, see train_run) trained again here and checked against the record: its
-    collapse step within 2 steps and every other summary number within 2% (or 1e-4): loose enough for the last
-    bits that another CPU or torch version may round differently. live=None only reads the record (for a
-    caller that re-trains one run of several records). {key: {"series", "summary"}};
-    a ValueError names the record when it is of another configuration, lacks the series, or is stale."""
+    run `live` (a key, see train_run) trained again here and checked against the record number by number
+    (`agrees`). live=None only reads the record (for a caller that re-trains one run of several records).
+    {key: {"series", "summary"}}; a ValueError names the record when it is of another configuration, lacks
+    the series, or is stale."""
     record = json.loads(Path(path).read_text())
     if record["config"] != asdict(cfg):
         raise ValueError(f"{path} records another configuration than {cfg}")
@@ -530,16 +542,12 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> 
     if live not in runs:
         raise ValueError(f"live must be one of the record's runs {sorted(runs)}; got {live!r}")
     fresh = train_run(cfg, live)
-
-    def agrees(now: float | None, then: float | None) -> bool:
-        if now is None or then is None:
-            return now == then
-        if isinstance(then, int):  # the collapse step
-            return abs(now - then) <= 2
-        close = math.isclose(now, then, rel_tol=2e-2, abs_tol=1e-4)
-        return close or (math.isnan(now) and math.isnan(then))
-
-    stale = sorted(k for k, then in runs[live]["summary"].items() if not agrees(fresh["summary"][k], then))
+    numbers = [run["summary"] for run in runs.values()]
+    scale = {k: max((abs(s[k]) for s in numbers if isinstance(s.get(k), float) and math.isfinite(s[k])),
+                    default=0.0)
+             for k in runs[live]["summary"]}
+    stale = sorted(k for k, then in runs[live]["summary"].items()
+                   if not agrees(fresh["summary"][k], then, scale[k]))
     if stale:
         command = " ".join(record.get("provenance", {}).get("command", ["lowprec experiment ..."]))
         raise ValueError(f"{path} is stale: {live} trained here differs in {', '.join(stale)}; record it "
