@@ -4,7 +4,6 @@ rounding statistics, the paper's worked example, and input validation."""
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -259,12 +258,6 @@ def test_format_properties() -> None:
     assert FORMATS["tf32"].torch_dtype is None and FORMATS["tf32"].eps == 2**-10
     assert as_format("bf16") is FORMATS["bf16"] and Format(8, 7) == FORMATS["bf16"]
     assert ulp(torch.tensor([1.0, 3.0, 0.0]), "bf16").tolist() == [2**-7, 2**-6, 2**-133]
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 @pytest.mark.parametrize(
