@@ -11,6 +11,8 @@
 #   PHASE=watch   starts a watcher in its own process session that replays each run of WATCH (run names of
 #                 NAME, e.g. "paper64-s1337") with the Fix off and on as soon as it reaches the stop rule, while
 #                 the experiment's other runs go on (the same window as finish; then finish needs REPLAYS=0)
+#   PHASE=replay  (used by watch and finish) REPLAY="RUN FROM TO": replays RUN of NAME from FROM to TO with the
+#                 Fix off and on, on GPUs GPU and GPU+1 (mod the GPU count), and waits for both
 #   PHASE=finish  waits for it, then (unless REPLAYS=0), for every run that diverged and kept checkpoints,
 #                 replays from the last kept checkpoint at least REPLAY_LEAD steps before the explosion with the
 #                 Fix on and off (`lowprec replay`, one GPU each), and packs the records (no checkpoints) into
@@ -22,7 +24,7 @@
 #   ... PHASE=finish OUT=/tmp/out bash scripts/h200-explode.sh
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1 LOWPREC_DATA=$PWD/data
-RUNS=${RUNS:-/tmp/explode} REPLAY_LEAD=${REPLAY_LEAD:-200} REPLAY_AFTER=${REPLAY_AFTER:-300} REPLAYS=${REPLAYS:-1}
+export RUNS=${RUNS:-/tmp/explode}; REPLAY_LEAD=${REPLAY_LEAD:-200} REPLAY_AFTER=${REPLAY_AFTER:-300} REPLAYS=${REPLAYS:-1}
 if [ "$PHASE" = status ]; then
   for NAME1 in $NAME; do
     python3 - "$RUNS/$NAME1" <<'PY'
@@ -67,9 +69,22 @@ if [ "$PHASE" = start ]; then
   echo "started $NAME (pid $!)"
   exit 0
 fi
+if [ "$PHASE" = replay ]; then
+  read -r name from to <<< "$REPLAY"
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$ngpu" -gt 0 ] || ngpu=1
+  gpu=${GPU:-0}
+  for fix in off on; do
+    CUDA_VISIBLE_DEVICES=$((gpu % ngpu)) python3 -m lowprec.cli replay "$EXP/$name" --from "$from" --to "$to" \
+      --fix $fix --set progress=false > "$EXP/$name-replay-$fix.log" 2>&1 &
+    gpu=$((gpu + 1))
+  done
+  wait
+  exit 0
+fi
 if [ "$PHASE" = watch ]; then
   # shellcheck disable=SC2016
-  setsid nohup bash -c '
+  SCRIPT=$(realpath "$0") setsid nohup bash -c '
     EXP=$1 REPLAY_LEAD=$2 REPLAY_AFTER=$3; shift 3; left=("$@")
     while [ ${#left[@]} -gt 0 ]; do
       running=0; kill -0 "$(cat "$EXP.pid")" 2> /dev/null && running=1  # one more look after the harness ends
@@ -79,12 +94,8 @@ if [ "$PHASE" = watch ]; then
         window=$(python3 -c "import sys; from lowprec.replay import replay_window as w; \
 print(*(w(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])) or ()))" "$EXP/$name" "$REPLAY_LEAD" "$REPLAY_AFTER")
         if [ -z "$window" ]; then waiting+=("$name"); continue; fi
-        read -r from to <<< "$window"
-        echo "$(date +%T) $name stopped: replays from $from to $to"
-        for fix in off on; do
-          python3 -m lowprec.cli replay "$EXP/$name" --from "$from" --to "$to" --fix $fix \
-            --set progress=false > "$EXP/$name-replay-$fix.log" 2>&1 &
-        done
+        echo "$(date +%T) $name stopped: replays from ${window% *} to ${window#* }"
+        REPLAY="$name $window" PHASE=replay bash "$SCRIPT" &
       done
       left=("${waiting[@]}")
       [ $running = 1 ] || break
@@ -109,14 +120,10 @@ for name, run in json.loads((exp / "experiment.json").read_text())["runs"].items
         print(name, *window)
 PY
 cat "$RUNS/replays.txt"
-gpu=0 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-[ "$ngpu" -gt 0 ] || ngpu=1
-while read -r name from to; do
-  for fix in off on; do
-    CUDA_VISIBLE_DEVICES=$gpu python3 -m lowprec.cli replay "$EXP/$name" --from "$from" --to "$to" --fix $fix \
-      --set progress=false > "$EXP/$name-replay-$fix.log" 2>&1 &
-    gpu=$(( (gpu + 1) % ngpu ))
-  done
+gpu=0
+while read -r replay; do
+  REPLAY=$replay GPU=$gpu PHASE=replay bash "$0" &
+  gpu=$((gpu + 2))
 done < "$RUNS/replays.txt"
 wait
 for f in "$EXP"/*-replay-*.log; do [ -e "$f" ] && { echo "== $f"; tail -n 12 "$f"; }; done

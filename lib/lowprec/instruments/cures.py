@@ -191,6 +191,14 @@ CURES: tuple[Cure, ...] = (
 )
 
 
+def cure_by_name(name: str) -> Cure:
+    """The cure of CURES called `name`; a ValueError naming the cures otherwise."""
+    cure = next((c for c in CURES if c.name == name), None)
+    if cure is None:
+        raise ValueError(f"no cure named {name!r}: cure must be one of {[c.name for c in CURES]}")
+    return cure
+
+
 @single_thread()
 def cure_table(cures: Sequence[Cure], families: Sequence[Family], rows: int = 4096, seed: int = 0,
                kernel: bool = False, device: str | torch.device = "cpu",
@@ -337,6 +345,7 @@ __all__ = [
     "SCALE",
     "Cure",
     "Family",
+    "cure_by_name",
     "cure_rows",
     "cost_table",
     "cure_table",

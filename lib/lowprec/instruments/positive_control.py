@@ -504,12 +504,9 @@ def train_run(cfg: ControlConfig, key: str) -> dict:
     placement, optimizer, name = key.split("/", 2)
     if placement != "cure":
         return run_arm(cfg, "fa2" if placement == "fp64" else placement, name, optimizer)
-    from lowprec.instruments.cures import CURES, run_cure  # (cures builds on this module)
+    from lowprec.instruments.cures import cure_by_name, run_cure  # (cures builds on this module)
 
-    cure = next((c for c in CURES if c.name == name), None)
-    if cure is None:
-        raise ValueError(f"no cure named {name!r}; the cures are {[c.name for c in CURES]}")
-    return run_cure(cfg, cure, optimizer)
+    return run_cure(cfg, cure_by_name(name), optimizer)
 
 
 def agrees(now: float | None, then: float | None, scale: float) -> bool:

@@ -109,7 +109,8 @@ def chapter5(smoke: bool) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cures = [c for c in CURES if c.name in ("none (fa2)", "Fix", "consistent")] if smoke else list(CURES)
-    families, rows, errors = (FAMILIES[:1], 64, {}) if smoke else (FAMILIES, 16384, {})
+    families, rows = (FAMILIES[:1], 64) if smoke else (FAMILIES, 16384)
+    errors: dict = {}
     bias = cure_table(cures, families, rows, kernel=True, device=device, errors=errors)
     sizes = ({"seq": 64, "head_dim": 16, "tokens": 64, "hidden": 16} if smoke
              else {"seq": 4096, "head_dim": 128})

@@ -11,6 +11,7 @@ and the bias weight, a slider for V's mean) and `cure_twin` the one for chapter 
 beside fa2 without one; a slider for V's mean). Both twins read recorded runs where they have them
 (`trained`) and train the rest.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lowprec.instruments.cures import CURES, Cure, run_cure
+from lowprec.instruments.cures import CURES, Cure, cure_by_name, run_cure
 from lowprec.instruments.positive_control import ARMS, OPTIMIZERS, PLACEMENTS, ControlConfig, run_arm
 from lowprec.viz.panels import LivePanel, add_menu_and_slider, dropdown, sig
 
@@ -50,9 +51,7 @@ def cached_cure(cfg: ControlConfig, cure: Cure, optimizer: str) -> dict:
 
 def cure_named(name: str, beta: float | None = None) -> Cure:
     """The cure of CURES called `name`, its Fix (if it has one) with factor `beta` when given."""
-    cure = next((c for c in CURES if c.name == name), None)
-    if cure is None:
-        raise ValueError(f"cure must be one of {[c.name for c in CURES]}, got {name!r}")
+    cure = cure_by_name(name)
     if beta is None or cure.fix is None or cure.fix.beta == beta:
         return cure
     return replace(cure, name=f"{name}, β = {beta:g}", fix=replace(cure.fix, beta=beta))
@@ -146,7 +145,7 @@ def recorded_or_trained(cfg: ControlConfig, key: str, trained: Trained | None) -
         return {"series": {name: values[: cfg.steps] for name, values in done["series"].items()}}
     placement, optimizer, name = key.split("/", 2)
     if placement == "cure":
-        return cached_cure(cfg, cure_named(name), optimizer)
+        return cached_cure(cfg, cure_by_name(name), optimizer)
     return cached_arm(cfg, "fa2" if placement == "fp64" else placement, name, optimizer)
 
 
@@ -225,7 +224,7 @@ def cure_twin(
     cfg = replace(cfg or ControlConfig(), steps=steps)
     base, names = CURES[0].name, list(cures if cures is not None else (c.name for c in CURES[1:]))
     for name in names:
-        cure_named(name)
+        cure_by_name(name)
 
     def line(name: str) -> Line:
         return name, CURE_COLOURS[name], lambda vm: recorded_or_trained(
