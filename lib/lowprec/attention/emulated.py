@@ -4,7 +4,9 @@ The op order and rounding points are those of precision.py (its docstring is the
 the "exact model", so that the Triton kernel run under TRITON_INTERPRET=1 (with interpreter.py's patch) gives
 the same bits:
 - every dot product is computed in fp64 from the (exactly representable) operands and rounded once to fp32;
-- exp, log and row sums are computed in fp64 and rounded once to fp32;
+- exp, exp2, log and row sums are computed in fp64 and rounded once to fp32; P = exp(s - m) is taken as
+  FlashAttention-2 takes it, exp2(s * log2(e) - m * log2(e)), wherever the weights are rounded below fp32
+  (`exp_sub`);
 - everything else is single fp32 ops (+, -, *, /, max, compare, select), never fused.
 
 Tiles: the forward loops over key/value tiles of `block_n` columns in increasing order; all query rows are
@@ -22,9 +24,11 @@ Backward: delta = rowsum(dO * O) with O the saved (output-rounded) output, or th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, fix_shift, ties
+from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, f32, fix_shift, ties
 from lowprec.attention.plan import CallPlan, plan_call
 from lowprec.attention.precision import (
     Precision,
@@ -49,8 +53,17 @@ def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() @ b.double()).float()
 
 
-def exp(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp(x.double()).float()
+LOG2E = f32(1.0 / math.log(2.0))  # log2(e) in fp32
+
+
+def exp_sub(x: torch.Tensor, m: torch.Tensor, natural: bool) -> torch.Tensor:
+    """exp(x - m) as the kernels compute it: exp2(x * log2(e) - m * log2(e)), three fp32 ops and exp2
+    (FlashAttention-2's form: on a GPU one FMA and ex2; x == m still gives exactly 1), or with `natural`
+    exp(x - m), for weights that stay fp32 (the forward's P̄ unrounded, the backward's P with fp32 inputs).
+    exp / exp2 in fp64, rounded once to fp32."""
+    if natural:
+        return torch.exp((x - m).double()).float()
+    return torch.exp2((x * LOG2E - m * LOG2E).double()).float()
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +113,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, g
     """Returns (o: output-rounded fp32, o_unrounded: acc/l fp32, lse fp32) and sets plan.stats. k, v may have
     fewer heads than q (each serves a group of query heads); rows that see no key get o = 0, lse = +inf."""
     dtype, prec, fp = plan.dtype, plan.precision, plan.fix
+    natural = prec.weights.resolve(dtype) is None  # P̄ stays fp32: exp(s - m) as it is (exp_sub)
     B, H, N, D = q.shape
     n_k = k.shape[2]
     qf, kf, vd = q.float(), expand_kv(k.float(), H), expand_kv(v.to(plan.pv_dtype), H)
@@ -133,8 +147,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, g
         m_old = m[:, :, rows]
         m_new = torch.maximum(m_old, shift)
         m_use = torch.where(m_new == NEG_INF, 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
-        alpha = exp(m_old - m_use)
-        p = exp(s - m_use[..., None])
+        alpha = exp_sub(m_old, m_use, natural)
+        p = exp_sub(s, m_use[..., None], natural)
         if prec.norm == "exact":
             l[:, :, rows] = round_rowsum(l[:, :, rows] * alpha + rowsum(p), prec, dtype, gen)
         p_lp = round_weights(p, prec, dtype, gen)
@@ -161,6 +175,7 @@ def backward(q, k, v, o, lse, do, plan: CallPlan, delta_mode: str = "dO_O"):
     key/value head sum its group of query heads: query heads in increasing order, each over its query blocks
     in increasing order (the kernel's `_dkdv` loops)."""
     B, H, N, D = q.shape
+    natural = plan.dtype == torch.float32  # P stays fp32 (it is cast to the input dtype): exp_sub
     H_kv, n_k = k.shape[1], k.shape[2]
     group = H // H_kv
     qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
@@ -171,12 +186,12 @@ def backward(q, k, v, o, lse, do, plan: CallPlan, delta_mode: str = "dO_O"):
         delta = torch.zeros((B, H, N), device=q.device)
         for cols in tiles(n_k, plan.block_n):
             rows = seeing_rows(cols, N, n_k, plan.causal)
-            p = exp(scores(qf, kx, rows, cols, plan) - lse[:, :, rows, None])
+            p = exp_sub(scores(qf, kx, rows, cols, plan), lse[:, :, rows, None], natural)
             dp = dot(dof[:, :, rows], vx[:, :, cols].transpose(-1, -2))
             delta[:, :, rows] += rowsum(dp * p)
 
     def tile_grads(q_, k_, v_, do_, lse_, delta_, rows: slice, cols: slice):
-        p = exp(scores(q_, k_, rows, cols, plan) - lse_[:, :, rows, None])
+        p = exp_sub(scores(q_, k_, rows, cols, plan), lse_[:, :, rows, None], natural)
         dp = dot(do_[:, :, rows], v_[:, :, cols].transpose(-1, -2))
         ds = p * (dp - delta_[:, :, rows, None])
         return p.to(plan.dtype).float(), ds.to(plan.dtype).float()

@@ -25,9 +25,12 @@ Design
   expanded copies), head dims 16..256 (padded to a power of two, BLOCK_D, with masked loads), bf16 / fp16 /
   fp32 inputs, any (batch, head, seq) strides with a contiguous head dim (each tensor's strides are one
   tuple argument; a row offset within a head is int32, a head's base int64). Each loop runs first over the
-  tiles that need no mask, then over those that do (MASK, a constexpr of the step functions).
-- Arithmetic: everything except loads, stores, casts and tl.dot operands is fp32; exp/log are natural
-  (no exp2 with a folded log2(e), so that the emulator's op order stays the same on every device). The op
+  tiles that need no mask, then over those that do (MASK, a constexpr of the step functions); the tiles
+  without a mask also load their rows without a row mask (`_load`'s CHECK_ROWS).
+- Arithmetic: everything except loads, stores, casts and tl.dot operands is fp32; P = exp(s - m) is
+  exp2(s * log2(e) - m * log2(e)) (`_exp_sub`: FlashAttention-2's form, one FMA and one ex2 per score on a
+  GPU; s == m still gives exactly 1) wherever the weights are rounded below fp32, natural exp where they
+  stay fp32 (the forward's P̄ with weights=none or fp32 inputs, the backward's P with fp32 inputs). The op
   order is the emulator's, op for op: under TRITON_INTERPRET=1 (with interpreter.py's patch) the kernels are
   bit-identical to emulated_attention, so any reordering here breaks tests/test_flash_kernel.py.
 - Cost of the Fix (tie="tile"): per score one compare that yields 1.0 / 0.0 and one fp32 add (the tie count),
@@ -55,7 +58,7 @@ from lowprec.attention.triton_rounding import (
     SCORES,
     WEIGHTS,
     _dot,
-    _exp,
+    _exp_sub,
     _fix_shift,
     _log,
     _round,
@@ -65,15 +68,24 @@ from lowprec.attention.triton_rounding import (
 
 
 @triton.jit
-def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr):
+def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr,
+          CHECK_ROWS: tl.constexpr = True):
     """Rows `rows` (< n_rows, `stride` elements apart) of an (n_rows, D) matrix with unit column stride,
-    zero-padded to BLOCK_D columns: (len(rows), BLOCK_D), or (BLOCK_D, len(rows)) when TRANSPOSE."""
+    zero-padded to BLOCK_D columns: (len(rows), BLOCK_D), or (BLOCK_D, len(rows)) when TRANSPOSE. Without
+    CHECK_ROWS the caller guarantees rows < n_rows (a tile that needs no mask), so a head dim that fills
+    BLOCK_D loads with no mask."""
     if TRANSPOSE:
-        mask = (rows[None, :] < n_rows) & (offs_d[:, None] < D)
-        x = tl.load(ptr + rows[None, :] * stride + offs_d[:, None], mask=mask, other=0.0)
+        ptrs = ptr + rows[None, :] * stride + offs_d[:, None]
+        row_ok, col_ok = rows[None, :] < n_rows, offs_d[:, None] < D
     else:
-        mask = (rows[:, None] < n_rows) & (offs_d[None, :] < D)
-        x = tl.load(ptr + rows[:, None] * stride + offs_d[None, :], mask=mask, other=0.0)
+        ptrs = ptr + rows[:, None] * stride + offs_d[None, :]
+        row_ok, col_ok = rows[:, None] < n_rows, offs_d[None, :] < D
+    if CHECK_ROWS:
+        x = tl.load(ptrs, mask=row_ok & col_ok, other=0.0)
+    elif offs_d.shape[0] > D:  # a padded head dim
+        x = tl.load(ptrs, mask=col_ok, other=0.0)
+    else:
+        x = tl.load(ptrs)
     return x
 
 
@@ -135,7 +147,7 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     tol = fix[1]  # fix = (beta, tol, min_gap, max_gap)
     # -- scores --
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True)  # (BLOCK_D, BLOCK_N)
+    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True, MASK)  # (BLOCK_D, BLOCK_N)
     s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, CODES[SCORES], IEEE)
     r = tl.max(s, 1)  # (BLOCK_M,)
     # -- shift (Fix) --
@@ -151,13 +163,14 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     # -- online softmax: rescale, P̄, row sum --
     m_new = tl.maximum(m_i, shift)  # (BLOCK_M,)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf - 0) = 0, not NaN
-    alpha = _exp(m_i - m_use, IEEE)  # (BLOCK_M,)
-    p = _exp(s - m_use[:, None], IEEE)  # (BLOCK_M, BLOCK_N)
+    natural: tl.constexpr = CODES[WEIGHTS] == 0  # P̄ stays fp32: exp(s - m) as it is
+    alpha = _exp_sub(m_i, m_use, natural, IEEE)  # (BLOCK_M,)
+    p = _exp_sub(s, m_use[:, None], natural, IEEE)  # (BLOCK_M, BLOCK_N)
     row_idx = offs_m * N_K + start_n  # (BLOCK_M,) element index of the stochastic bits
     if NORM == 0:  # "exact": l sums the fp32 P
         l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
     # -- weights: P̄ as it enters the dot --
-    v = _load(V, offs_n, offs_d, N_K, sv_n, D, False)  # (BLOCK_N, BLOCK_D)
+    v = _load(V, offs_n, offs_d, N_K, sv_n, D, False, MASK)  # (BLOCK_N, BLOCK_D)
     if NATIVE_P:  # the weights rounding is the cast to V's dtype: do it once
         p_dot = p.to(V.dtype.element_ty)
         p = p_dot.to(tl.float32)
@@ -275,10 +288,14 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_
                IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """One query block's contribution to a key block's dK, dV (computed transposed: keys x queries)."""
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    qt = _load(Q, offs_m, offs_d, N_Q, sq_n, D, True)  # (BLOCK_D, BLOCK_M)
-    do = _load(DO, offs_m, offs_d, N_Q, sdo_n, D, False)  # (BLOCK_M, BLOCK_D)
-    lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
-    delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
+    qt = _load(Q, offs_m, offs_d, N_Q, sq_n, D, True, MASK)  # (BLOCK_D, BLOCK_M)
+    do = _load(DO, offs_m, offs_d, N_Q, sdo_n, D, False, MASK)  # (BLOCK_M, BLOCK_D)
+    if MASK:
+        lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
+        delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
+    else:
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(DELTA + offs_m)
     # -- scores, transposed --
     st = _round(_dot(k, qt, None, IEEE) * scale, C_SCORES, 0, 0, offs_n[:, None])  # (BLOCK_N, BLOCK_M)
     if MASK:
@@ -287,7 +304,7 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + offset)
         st = tl.where(valid, st, float("-inf"))
     # -- P from the saved lse, then dV --
-    pt = _exp(st - lse[None, :], IEEE)  # (BLOCK_N, BLOCK_M)
+    pt = _exp_sub(st, lse[None, :], IEEE, IEEE)  # (BLOCK_N, BLOCK_M)
     dv = _dot(pt.to(DO.dtype.element_ty), do, dv, IEEE)  # (BLOCK_N, BLOCK_D)
     # -- dS = P (dP - delta), then dK --
     dst = pt * (_dot(v, tl.trans(do), None, IEEE) - delta[None, :])  # (BLOCK_N, BLOCK_M)
@@ -352,12 +369,12 @@ def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, 
              IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """One key tile's contribution to a query block's dQ."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True)  # (BLOCK_D, BLOCK_N)
+    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True, MASK)  # (BLOCK_D, BLOCK_N)
     # -- scores, P from the saved lse --
     s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, C_SCORES, IEEE)  # (BLOCK_M, BLOCK_N)
-    p = _exp(s - lse[:, None], IEEE)  # (BLOCK_M, BLOCK_N)
+    p = _exp_sub(s, lse[:, None], IEEE, IEEE)  # (BLOCK_M, BLOCK_N)
     # -- dS = P (dP - delta), then dQ --
-    vt = _load(V, offs_n, offs_d, N_K, sv_n, D, True)  # (BLOCK_D, BLOCK_N)
+    vt = _load(V, offs_n, offs_d, N_K, sv_n, D, True, MASK)  # (BLOCK_D, BLOCK_N)
     ds = p * (_dot(do, vt, None, IEEE) - delta[:, None])  # (BLOCK_M, BLOCK_N)
     return _dot(ds.to(q.dtype), tl.trans(kt), dq, IEEE)  # (BLOCK_M, BLOCK_D)
 

@@ -8,7 +8,8 @@ Each function here names the torch function it mirrors, so the two can be read s
     _round_bits               formats.round_to (modes "nearest" and "stochastic"), in int32 ops on fp32 bits
     _cast                     formats.round_to to bf16 / fp16 = torch's x.to(bf16 / fp16).float()
     _fix_shift                fix.fix_shift
-    _exp, _log, _dot          emulated.exp, emulated.log, emulated.dot (the "exact model" in the interpreter)
+    _exp_sub, _log, _dot      emulated.exp_sub, emulated.log, emulated.dot (the "exact model" in the
+                              interpreter)
 
 Rounding codes: one int per rounding point, kind | exp_bits << 4 | man_bits << 8 | no_inf << 13 | host kind
 << 14. The kind is NONE (stays fp32), CAST_BF16 / CAST_FP16 (round to nearest in the hardware cast), NEAREST /
@@ -182,20 +183,33 @@ def _fix_shift(r, ties, fix):
 # ------------------------------------------------------------------------------- exp, log and dots
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e); rounded to fp32 where it multiplies an fp32 tensor
+
+
 @triton.jit
-def _exp(x, IEEE: tl.constexpr):
-    """Mirror of emulated.exp: exp in fp32; fast (ex2.approx) for bf16 / fp16 inputs on a GPU, libdevice's
-    for fp32 inputs; exactly rounded under the interpreter patch."""
-    if IEEE and GPU:  # noqa: SIM108 (a constexpr branch)
-        y = libdevice.exp(x)
+def _exp_sub(x, m, NATURAL: tl.constexpr, IEEE: tl.constexpr):
+    """Mirror of emulated.exp_sub: exp(x - m) in fp32 as exp2(x * log2(e) - m * log2(e)) (on a GPU one FMA
+    and ex2, FlashAttention-2's form), or with NATURAL as exp(x - m); libdevice's exp / exp2 for fp32 inputs
+    (IEEE) on a GPU, ex2.approx otherwise. Exactly rounded under the interpreter patch."""
+    if NATURAL:  # noqa: SIM108 (a constexpr branch)
+        x = x - m
     else:
+        x = x * LOG2E - m * LOG2E
+    if IEEE and GPU and NATURAL:
+        y = libdevice.exp(x)
+    elif IEEE and GPU:
+        y = libdevice.exp2(x)
+    elif NATURAL:
         y = tl.exp(x)
+    else:
+        y = tl.exp2(x)
     return y
 
 
 @triton.jit
 def _log(x, IEEE: tl.constexpr):
-    """Mirror of emulated.log: log in fp32, as `_exp` chooses."""
+    """Mirror of emulated.log: log in fp32; lg2.approx for bf16 / fp16 inputs on a GPU, libdevice's for fp32
+    inputs; exactly rounded under the interpreter patch."""
     if IEEE and GPU:  # noqa: SIM108 (a constexpr branch)
         y = libdevice.log(x)
     else:

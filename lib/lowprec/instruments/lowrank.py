@@ -32,8 +32,7 @@ from dataclasses import dataclass
 import torch
 from lowprec.analysis import ErrorStats
 from lowprec.attention import emulated_attention, reference_attention
-from lowprec.attention.emulated import dot, forward, rowsum
-from lowprec.attention.emulated import exp as exp32
+from lowprec.attention.emulated import dot, exp_sub, forward, rowsum
 from lowprec.attention.plan import plan_call
 from lowprec.attention.precision import round_weights
 from lowprec.configs import TrainConfig
@@ -253,7 +252,7 @@ def key_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape[2] > plan.block_n:
         raise ValueError(f"key_errors needs the keys in one tile: {k.shape[2]} keys > block_n {plan.block_n}")
     s = dot(q.float(), k.float().transpose(-1, -2)) * plan.scale
-    pbar = exp32(s - s.amax(-1, keepdim=True))
+    pbar = exp_sub(s, s.amax(-1, keepdim=True), natural=False)  # bf16 inputs, as the kernel computes P̄
     pbar_lp = round_weights(pbar, plan.precision, plan.dtype)
     ell = rowsum(pbar).double()
     o_hp, lse = reference_attention(q, k, v, causal=False)
