@@ -29,11 +29,11 @@ same two functions.
 Launch
 - Block sizes: under the interpreter BLOCK_M = BLOCK_N = 64 (or Precision.tile, or block_m/block_n), the same
   tiles as emulated_attention's defaults. On a GPU the kernels are autotuned over a few Hopper configs
-  (BLOCK_M, warps, stages; the forward keeps BLOCK_N = 64 wherever the key tile changes the result -- the
-  Fix's per-tile tie detection, the counters, per-tile roundings -- and tries 128 elsewhere), each tried
-  only for the head dims it suits (`_CONFIGS_FOR`: head dim 256 needs smaller tiles); the Fix, the counters
-  and the rounding codes (constexprs FIX, WITH_STATS, CODES, NORM ...) are part of the autotune key, so each
-  variant gets its own pick.
+  (BLOCK_M, warps, stages; the forward keeps BLOCK_N = 64 so that per-tile tie detection does not depend on
+  the chosen config; 128-key tiles for the forward without the Fix were tried at 208ab74 and never picked),
+  each tried only for the head dims it suits (`_CONFIGS_FOR`: head dim 256 needs smaller tiles); the Fix,
+  the counters and the rounding codes (constexprs FIX, WITH_STATS, CODES, NORM ...) are part of the autotune
+  key, so each variant gets its own pick.
 - Kernel arguments: the six rounding codes go in as one constexpr tuple CODES (POINTS order; the backward
   needs only the scores' code, C_SCORES), the Fix's numbers as one fp32 tuple `fix` = (beta, tol, min_gap,
   max_gap) (placeholders without a Fix; tol is also the counters' near-tie window), each tensor's strides as
@@ -43,8 +43,10 @@ What differs on a GPU (so GPU results match the emulator only statistically, not
 - tl.dot runs on tensor cores: exact products but a hardware-specific multi-term accumulation with truncated
   alignment, not one rounding of the exact sum; IEEE fp32 dots run as FMA chains, cut into parts of K/4 and
   added to the accumulator once per tile (`_ieee_dot`), which keeps fp32 errors at the level of torch's;
-- tl.exp2 / tl.log lower to ex2.approx / lg2.approx (about 2 ulp, subnormals flushed to zero; log's argument
-  is first multiplied by log2(e) in fp32); fp32 inputs use libdevice's exp / log instead (about 1 ulp);
+- tl.exp2 lowers to ex2.approx.ftz.f32 (about 2 ulp, subnormal results flushed to zero), tl.log to
+  lg2.approx; fp32 inputs use libdevice's exp / exp2 / log instead (about 1 ulp). (tl.exp lowers to a
+  multiply by log2(e) and ex2.approx.f32, which keeps subnormals: with it the forward was 1.42x slower at
+  head dim 128, results/attention/bench-ab-A.json against bench-ab-B.json);
 - tl.sum / tl.max reduce in a tree across lanes and warps;
 - the compiler fuses a*b + c into FMAs (e.g. l * alpha + rowsum, s * log2(e) - m * log2(e)), one rounding
   instead of two;
@@ -72,14 +74,14 @@ from triton.runtime.errors import OutOfResources
 
 from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, FixParams, as_fix
 from lowprec.attention.plan import plan_call
-from lowprec.attention.precision import POINTS, Precision, fits
+from lowprec.attention.precision import Precision, fits
 from lowprec.attention.reference import check_qkv
 from lowprec.attention.triton_kernels import _delta, _dkdv, _dq, _fwd
 from lowprec.attention.triton_rounding import CAST_BF16, CAST_FP16, NONE, _codes
 
 HEAD_DIMS = (16, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FWD_BLOCK_N = 64  # the forward's key tile on a GPU wherever the tile changes the result (`_tile_free`)
+FWD_BLOCK_N = 64  # on a GPU the forward's key tile is fixed: per-tile tie detection depends on it
 SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 FIXED_BLOCKS = (64, 64)  # the caller-chosen blocks compile_for_gpu checks (the GPU suite's)
 
@@ -101,10 +103,7 @@ def _tuner_bench(fn, quantiles):
 SMALL, LARGE = (16, 32, 64, 128), (256,)
 _CONFIGS_FOR = {
     "fwd": {(128, FWD_BLOCK_N, 8, 3): SMALL, (128, FWD_BLOCK_N, 4, 3): SMALL, (64, FWD_BLOCK_N, 4, 3): SMALL,
-            (64, FWD_BLOCK_N, 8, 2): LARGE, (32, FWD_BLOCK_N, 4, 2): LARGE,
-            # wider key tiles, only where the tile does not change the result (`_tile_free`); 64 x 128 x 4
-            # warps spills 48 bytes at head dim 128 (128 x 128 x 8 warps x 3 stages: 16)
-            (128, 128, 8, 3): SMALL, (128, 128, 8, 2): SMALL, (64, 128, 4, 3): (16, 32, 64)},
+            (64, FWD_BLOCK_N, 8, 2): LARGE, (32, FWD_BLOCK_N, 4, 2): LARGE},
     "dkdv": {(64, 128, 8, 3): SMALL, (32, 128, 8, 3): SMALL, (64, 64, 4, 2): SMALL, (32, 128, 4, 3): SMALL,
              (64, 32, 8, 2): LARGE, (32, 32, 8, 2): LARGE},
     "dq": {(128, 64, 8, 3): SMALL, (64, 128, 8, 3): SMALL, (64, 64, 4, 3): SMALL, (128, 64, 4, 2): SMALL,
@@ -116,23 +115,12 @@ def _config_key(config: triton.Config) -> tuple[int, int, int, int]:
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
 
 
-def _tile_free(constexprs) -> bool:
-    """Whether the forward's result is the same for any key tile up to fp32 summation order: no per-tile
-    tie detection (FIX 1), no counters (they count tie tiles), and the row sum, the P̄V product and the
-    running output unrounded (a rounding per tile depends on the tile)."""
-    codes = dict(zip(POINTS, constexprs["CODES"], strict=True))
-    return (constexprs["FIX"] != 1 and not constexprs["WITH_STATS"]
-            and all(codes[point] == NONE for point in ("rowsum", "product", "accumulator")))
-
-
 def _kept_configs(configs, nargs, kernel: str, rows: str, **kwargs):
-    """The configs tried for this launch: those meant for its BLOCK_D (forward: with key tiles other than
-    FWD_BLOCK_N only where `_tile_free`) whose fp32 accumulators (`rows` x BLOCK_D each) take <= 64 registers
-    per thread (larger ones spill on sm_90, as ptxas reports for compile_for_gpu's builds)."""
+    """The configs tried for this launch: those meant for its BLOCK_D whose fp32 accumulators (`rows` x
+    BLOCK_D each) take <= 64 registers per thread (larger ones spill on sm_90, as ptxas reports for
+    compile_for_gpu's builds)."""
     block_d = kwargs["BLOCK_D"]
     meant = [c for c in configs if block_d in _CONFIGS_FOR[kernel][_config_key(c)]] or configs
-    if kernel == "fwd" and not _tile_free(kwargs):
-        meant = [c for c in meant if c.kwargs["BLOCK_N"] == FWD_BLOCK_N]
     kept = [c for c in meant if c.kwargs[rows] * block_d <= 64 * 32 * c.num_warps]
     return kept or meant[:1]
 
@@ -149,8 +137,8 @@ def _tuned(kernel, name: str, rows: str, keys: tuple[str, ...]):
 
 
 # A new (head_dim, causal, variant) compiles each config once (~1 s), a new N re-times them (~0.1 s). The
-# forward's key tile stays FWD_BLOCK_N unless `_tile_free`; the Fix's constexprs and the rounding codes are in
-# the key, so Fix on and off and each precision get their own picks.
+# forward's key tile stays FWD_BLOCK_N; the Fix's constexprs and the rounding codes are in the key, so Fix on
+# and off and each precision get their own picks.
 _fwd_tuned = _tuned(_fwd, "fwd", "BLOCK_M", keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "NORM", "CODES"))
 _dkdv_tuned = _tuned(_dkdv, "dkdv", "BLOCK_N", keys=("GROUP", "C_SCORES"))
 _dq_tuned = _tuned(_dq, "dq", "BLOCK_M", keys=("C_SCORES",))
@@ -481,11 +469,11 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
     and (with `variants`) the variants at the first kept config: dK/dV for grouped-query attention
     (GROUPED), the forward with the Fix and counters, with rounded-weight normalisation (NORM), and in fp32
-    (sizes, group size included, are runtime arguments). Pointers and
-    strides are taken 16-aligned, as the runtime specialises them. Returns, per build
-    "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread and
-    spill bytes. Needs compiled (not interpreted) kernels: import
-    this module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
+    (sizes, group size included, are runtime arguments). Pointers and strides are taken 16-aligned, as the
+    runtime specialises them. Returns, per build "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its
+    shared memory in bytes, registers per thread, spill bytes and its count of ex2.approx instructions in the
+    PTX (all, and the flushing ex2.approx.ftz.f32). Needs compiled (not interpreted) kernels: import this
+    module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget
@@ -538,5 +526,7 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
                 source = ASTSource(tuned.fn, signature, full, attrs)
                 compiled = triton.compile(source, target=target, options=options)
                 key = f"{name} d{head_dim} {'x'.join(map(str, _config_key(config)))}"
-                usage[key] = {"shared": compiled.metadata.shared, **_ptxas_usage(compiled.asm["ptx"], arch)}
+                ptx = compiled.asm["ptx"]
+                usage[key] = {"shared": compiled.metadata.shared, **_ptxas_usage(ptx, arch),
+                              "ex2": ptx.count("ex2.approx."), "ex2_ftz": ptx.count("ex2.approx.ftz.f32")}
     return usage
