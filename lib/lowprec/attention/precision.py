@@ -9,8 +9,8 @@ image at the same place (triton_rounding.py, `_round`, called from triton_kernel
     s     = -inf where masked (causal: key j > i + Nk - Nq; beyond Nk)
     r     = rowmax(s);  shift = r, or the Fix rule                  fix_shift
     m_new = max(m, shift);  m_use = 0 where m_new == -inf, else m_new   (a row that has seen no key yet)
-    alpha = exp(m - m_use)                            (exp(x - y): exp2(x * log2(e) - y * log2(e)) for
-    p     = exp(s - m_use)                             bf16 / fp16 inputs, as FlashAttention-2 computes it)
+    alpha = exp(m - m_use)                            (exp(x - y): exp2(x * log2(e) - y * log2(e)) where
+    p     = exp(s - m_use)                             the weights are rounded, as FlashAttention-2 does)
     l     = l * alpha + rowsum(p)                     [rowsum]      round_rowsum   (norm="exact")
     p_lp  = round(p)                                  [weights]     round_weights (the P̄ entering P̄V)
     l     = l * alpha + rowsum(p_lp)                  [rowsum]      round_rowsum   (norm="rounded")
