@@ -128,7 +128,9 @@ def test_recorded_control_checks_its_live_run(tmp_path):
         recorded_control(out, cfg, "paper/adam/lowp")
     record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.05
     out.write_text(json.dumps(record))
-    with pytest.raises(ValueError, match="stale: fa2/adam/lowp .* w_r_final; record it again: "):
+    recorded = record["summary"]["fa2/adam/lowp"]["w_r_final"]
+    with pytest.raises(ValueError, match=f"stale: fa2/adam/lowp .* w_r_final {recorded!r} recorded, .* here; "
+                                         "record it again: "):
         recorded_control(out, cfg, "fa2/adam/lowp")
     del record["series"]
     out.write_text(json.dumps(record))

@@ -547,8 +547,10 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> 
                    if not agrees(fresh["summary"][k], then, scale[k]))
     if stale:
         command = " ".join(record.get("provenance", {}).get("command", ["lowprec experiment ..."]))
-        raise ValueError(f"{path} is stale: {live} trained here differs in {', '.join(stale)}; record it "
-                         f"again: {command}")
+        then, now = runs[live]["summary"], fresh["summary"]
+        values = ", ".join(f"{k} {then[k]!r} recorded, {now[k]!r} here" for k in stale)
+        raise ValueError(f"{path} is stale: {live} trained here differs in {values}; record it again: "
+                         f"{command}")
     runs[live] = fresh
     return runs
 
