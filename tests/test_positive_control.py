@@ -9,6 +9,7 @@ import json
 import pytest
 from lowprec.cli import main
 from lowprec.instruments.positive_control import (
+    OTHER_BUILD_TOL,
     ControlConfig,
     agrees,
     bias_probe,
@@ -129,8 +130,15 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.05
     out.write_text(json.dumps(record))
     recorded = record["summary"]["fa2/adam/lowp"]["w_r_final"]
-    with pytest.raises(ValueError, match=f"stale: fa2/adam/lowp .* w_r_final {recorded!r} recorded, .* here; "
-                                         "record it again: "):
+    with pytest.raises(ValueError, match=f"stale: fa2/adam/lowp .* w_r_final {recorded!r} recorded, .* here "
+                                         r"\(compared within 2%.*\); record it again: "):
+        recorded_control(out, cfg, "fa2/adam/lowp")
+    record["provenance"]["torch"] = "2.0.0"  # another build: 5% passes, 15% does not
+    out.write_text(json.dumps(record))
+    assert recorded_control(out, cfg, "fa2/adam/lowp")["fa2/adam/lowp"]["summary"]["w_r_final"] != recorded
+    record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.15 / 1.05
+    out.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"within 10%: torch 2.0.0 recorded"):
         recorded_control(out, cfg, "fa2/adam/lowp")
     del record["series"]
     out.write_text(json.dumps(record))
@@ -145,6 +153,7 @@ def test_a_number_near_zero_is_compared_at_its_records_scale():
     assert not agrees(0.02, 0.0062, scale=6.8) and not agrees(0.0075, 0.0062, scale=0.0062)
     assert agrees(6.9, 6.8, scale=6.8) and not agrees(7.1, 6.8, scale=6.8)
     assert agrees(189, 187, scale=0.0) and not agrees(190, 187, scale=0.0), "collapse steps: within 2"
+    assert agrees(205, 187, 0.0, OTHER_BUILD_TOL) and not agrees(210, 187, 0.0, OTHER_BUILD_TOL), "or 10%"
     assert agrees(None, None, scale=1.0) and not agrees(None, 187, scale=1.0)
 
 
