@@ -296,7 +296,8 @@ def test_kernel_integer_rounding_matches_round_to(fmt):
 def test_kernels_compile_for_h200():
     """Compiled (not interpreted) kernels build for sm_90 without a GPU: catches code the interpreter accepts
     but the compiler does not. Head dim 128 at the first autotune config of each kernel and variant (Fix,
-    rounded-weight normalisation, fp32, grouped-query dK/dV), head dim 256's forward, dK/dV and dQ at every
+    rounded-weight normalisation, fp32, grouped-query dK/dV; the Fix adds SASS instructions, its counters
+    more), head dim 256's forward, dK/dV and dQ at every
     config they are tuned over, and both head dims' three kernels at the fixed blocks a call with block sizes
     launches (the GPU suite's); every exponential of the bf16 builds is the flushing ex2.approx.ftz.f32 (with
     tl.exp's ex2.approx.f32 the forward was 1.42x slower); the bf16 builds fit in an H200's shared memory
@@ -311,8 +312,11 @@ def test_kernels_compile_for_h200():
 
     builds = json.loads(done.stdout.strip().splitlines()[-1])
     names = {name.split(" d")[0] for name in builds}
-    assert names == {"forward", "dkdv", "dq", "forward+fix", "forward consistent", "forward fp32",
-                     "dkdv grouped", "forward fixed", "dkdv fixed", "dq fixed"}
+    assert names == {"forward", "dkdv", "dq", "forward+fix", "forward+fix+stats", "forward consistent",
+                     "forward fp32", "dkdv grouped", "forward fixed", "dkdv fixed", "dq fixed"}
+    first = next(name for name in builds if name.startswith("forward d128"))
+    plain, fixed_fwd = builds[first]["sass"], builds[first.replace("forward", "forward+fix")]["sass"]
+    assert plain < fixed_fwd < builds[first.replace("forward", "forward+fix+stats")]["sass"], "the Fix's work"
     fixed = {f"{kernel} fixed d{d} 64x64x{options}" for d, options in ((128, "4x3"), (256, "8x2"))
              for kernel in ("forward", "dkdv", "dq")}
     assert {name for name in builds if "fixed" in name} == fixed

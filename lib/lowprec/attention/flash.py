@@ -438,6 +438,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 # ---------------------------------------------------------------------------------- ahead-of-time compile
 
 
+def _sass_count(sass: str) -> int:
+    """Instructions in nvdisasm's listing (lines "<control>\t[@predicate] OPCODE operands")."""
+    return sum(1 for line in sass.splitlines() if len(parts := line.split("\t")) >= 2 and parts[1].strip())
+
+
 def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
     """Registers per thread and spill bytes (stores + loads) that ptxas reports for `ptx`; kept beside
     Triton's own compile cache (keyed by the PTX and ptxas), as triton.compile keeps its builds."""
@@ -468,12 +473,13 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
     the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
     and (with `variants`) the variants at the first kept config: dK/dV for grouped-query attention
-    (GROUPED), the forward with the Fix and counters, with rounded-weight normalisation (NORM), and in fp32
-    (sizes, group size included, are runtime arguments). Pointers and strides are taken 16-aligned, as the
-    runtime specialises them. Returns, per build "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its
-    shared memory in bytes, registers per thread, spill bytes and its count of ex2.approx instructions in the
-    PTX (all, and the flushing ex2.approx.ftz.f32). Needs compiled (not interpreted) kernels: import this
-    module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
+    (GROUPED), the forward with the Fix (and with its counters), with rounded-weight normalisation (NORM),
+    and in fp32 (sizes, group size included, are runtime arguments). Pointers and strides are taken
+    16-aligned, as the runtime specialises them. Returns, per build "<kernel> d<D>
+    <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread, spill bytes, its
+    count of ex2.approx instructions in the PTX (all, and the flushing ex2.approx.ftz.f32) and of SASS
+    instructions (`sass`, nvdisasm's listing). Needs compiled (not interpreted) kernels: import this module
+    with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget
@@ -503,7 +509,8 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             ("dkdv fixed", _dkdv_tuned, "BLOCK_N", dict(backward, GROUPED=False), "bf16", fixed),
             ("dq fixed", _dq_tuned, "BLOCK_M", backward, "bf16", fixed),
             ("dkdv grouped", _dkdv_tuned, "BLOCK_N", dict(backward, GROUPED=True), "bf16", False),
-            ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
+            ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1), "bf16", False),
+            ("forward+fix+stats", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
             ("forward consistent", _fwd_tuned, "BLOCK_M", dict(fwd, NORM=1), "bf16", False),
             ("forward fp32", _fwd_tuned, "BLOCK_M",
              dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())), "fp32", False),
@@ -528,5 +535,6 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
                 key = f"{name} d{head_dim} {'x'.join(map(str, _config_key(config)))}"
                 ptx = compiled.asm["ptx"]
                 usage[key] = {"shared": compiled.metadata.shared, **_ptxas_usage(ptx, arch),
-                              "ex2": ptx.count("ex2.approx."), "ex2_ftz": ptx.count("ex2.approx.ftz.f32")}
+                              "ex2": ptx.count("ex2.approx."), "ex2_ftz": ptx.count("ex2.approx.ftz.f32"),
+                              "sass": _sass_count(compiled.asm["sass"])}
     return usage
