@@ -448,3 +448,14 @@ def test_precision_norm_strings():
     assert Precision.parse("paper:norm=rounded").spec == "paper:norm=rounded"
     with pytest.raises(ValueError, match="norm"):
         Precision(norm="rounded_weights")
+
+
+def test_math_attention_in_fp32_casts_back():
+    q, k, v = (torch.randn(2, 3, 17, 16, dtype=torch.bfloat16) for _ in range(3))
+    o = attention(q, k, v, backend="math/dtype=float32")
+    expected = math_attention(q.float(), k.float(), v.float()).to(torch.bfloat16)
+    assert o.dtype == torch.bfloat16 and torch.equal(o, expected)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast does not reach inside
+        assert torch.equal(attention(q, k, v, backend="math/dtype=float32"), expected)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        attention(q, k, v, backend="math/dtype=float16")

@@ -9,7 +9,8 @@ import pytest
 from lowprec.analysis import signature
 from lowprec.attention import AttentionSpec, Precision
 from lowprec.cli import main as lowprec_main
-from lowprec.instruments.explode import arm_of, arm_spec
+from lowprec.configs import get_config
+from lowprec.instruments.explode import arm_of, arm_overrides, arm_spec
 from lowprec.model import GPTConfig
 from lowprec.runs import load_run
 
@@ -39,6 +40,17 @@ def test_arm_specs_name_the_attention_they_run():
     assert arm_of("triton/precision=paper:tile=64/fix=2.0") == "paper64-fix"  # as the records name it
     with pytest.raises(ValueError, match="no explode arm"):
         arm_of("triton/precision=paper")
+
+
+def test_the_fp32_arms_take_bf16_out_of_attention_or_out_of_the_model():
+    assert arm_overrides("fa2") == ["attention=triton/precision=fa2"]
+    assert arm_overrides("attn-fp32") == ["attention=math/dtype=float32"]
+    assert arm_overrides("model-fp32") == ["attention=math", "dtype=float32"]
+    for arm in ("attn-fp32", "model-fp32"):
+        cfg = get_config("gpu-6l", arm_overrides(arm))  # a bf16 model unless the arm says otherwise
+        assert arm_of(cfg.model.attention, cfg.dtype) == arm
+    with pytest.raises(ValueError, match="no explode arm"):
+        arm_of("math", "bfloat16")  # math in bf16 is no arm
 
 
 def test_explode_runs_arms_and_seeds_and_records_them(tmp_path, capsys):

@@ -658,3 +658,17 @@ def test_eager_calls_skip_the_custom_ops_dispatch():
     assert type(o.grad_fn).__name__ == "_EagerFlashBackward"
     o.float().sum().backward()
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
+def test_pinned_tiles_are_configs_the_autotuner_tries():
+    """A deterministic run launches PINNED tiles: each one of the autotuner's own configs for its head dims,
+    within the register budget it applies."""
+    from lowprec.attention import flash
+
+    for name, by_dim in flash.PINNED.items():
+        _, tuned = flash._KERNELS[name]
+        rows = "BLOCK_N" if name == "dkdv" else "BLOCK_M"
+        for block_d, pick in by_dim.items():
+            kept = flash._kept_configs(tuned.configs, {}, kernel=name, rows=rows, BLOCK_D=block_d)
+            assert pick in [flash._config_key(c) for c in kept], (name, block_d, pick)
+    assert set(flash.PINNED["fwd"]) == {64, 128, 256}  # 16-64 share the 64 row

@@ -254,3 +254,24 @@ def test_a_resumed_finished_run_keeps_its_record(tmp_path, capsys):
     assert train(tiny(max_iters=4), tmp_path, resume=True) == load_run(tmp_path).summary
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     assert "nothing to do" in capsys.readouterr().err and summary["final_loss"] is not None
+
+
+def test_telemetry_leaves_the_weights_bit_identical(tmp_path):
+    """A run with telemetry every 4 steps ends with the weights of the same run without it."""
+    on = train(tiny(max_iters=12), tmp_path / "on")
+    off = train(tiny(max_iters=12, telemetry_interval=0), tmp_path / "off")
+    assert load_run(tmp_path / "on").telemetry("max_logit")[0] == [0, 4, 8]
+    assert on["weights_sha256"] == off["weights_sha256"] and on["final_loss_hex"] == off["final_loss_hex"]
+    other = train(tiny(max_iters=12, seed=2), tmp_path / "seed2")
+    assert other["weights_sha256"] != on["weights_sha256"]  # the digest does tell weights apart
+
+
+def test_deterministic_is_on_for_new_runs_and_off_for_older_records(tmp_path):
+    assert tiny().deterministic and not get_config("smoke-cpu", ["deterministic=false"]).deterministic
+    old = tiny().to_dict()
+    del old["deterministic"]  # a record made before the key existed
+    assert TrainConfig.from_dict(old).deterministic is False
+    train(tiny(max_iters=2, deterministic=False), tmp_path / "a")
+    assert not torch.are_deterministic_algorithms_enabled()
+    train(tiny(max_iters=2), tmp_path / "b")
+    assert torch.are_deterministic_algorithms_enabled()

@@ -1,5 +1,6 @@
 """Analysis of recorded runs for the book and the experiments: signed-error statistics (`ErrorStats`),
-per-head t-scores of the δ error, the paper's signature, loss spikes, runaways, one-line run summaries.
+per-head t-scores of the δ error, the paper's signature, loss spikes, runaways, one-line run summaries, and
+the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -137,3 +138,102 @@ def format_runs(runs: dict[str, dict]) -> str:
                      f"{sig.get('max_abs_t', math.nan):>7.1f} {ratio:>9.2f} "
                      f"{sig.get('max_wq_growth', math.nan):>6.2f}")
     return "\n".join(lines)
+
+
+# ---- survival over many runs at a fixed horizon ----
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run's events by a fixed horizon (steps are 0-based; None: not reached). `observed`: the steps the
+    run was watched for a runaway (the horizon, or the step the stop rule ended it at). `layer`: the layer
+    whose largest logit was highest at the runaway."""
+
+    runaway: int | None
+    layer: int | None
+    explosion: int | None
+    observed: int
+
+
+def outcome(run: Run, horizon: int, threshold: float = RUNAWAY_LOGIT) -> Outcome:
+    """The runaway (first telemetry step at which any layer's largest logit passes `threshold`) and the
+    explosion (the trainer's stop rule) of a run that reached `horizon` steps or exploded before it;
+    ValueError for a run that stopped short of both (its outcome is unknown, not "no event")."""
+    exploded = run.summary.get("diverged_step")
+    steps = run.summary.get("steps") or 0
+    if exploded is None and steps < horizon:
+        raise ValueError(f"{run.path}: stopped at step {steps} ({run.summary.get('status')}) before the "
+                         f"horizon {horizon} without an explosion: its outcome is unknown")
+    explosion = exploded if exploded is not None and exploded < horizon else None
+    observed = horizon if explosion is None else explosion
+    for step, sample in zip(*run.telemetry("max_logit"), strict=True):
+        peaks = [max(layer) for layer in sample]
+        if step <= observed and max(peaks) > threshold:
+            return Outcome(step, peaks.index(max(peaks)), explosion, observed)
+    return Outcome(None, None, explosion, observed)
+
+
+def event_times(outcomes: list[Outcome], event: str) -> tuple[list[int], list[bool]]:
+    """(times, happened) of `event` ("runaway" or "explosion") per run: its step, or the censoring step."""
+    times = [getattr(o, event) if getattr(o, event) is not None else o.observed for o in outcomes]
+    return times, [getattr(o, event) is not None for o in outcomes]
+
+
+def kaplan_meier(times: list[int], events: list[bool]) -> list[tuple[int, float]]:
+    """Kaplan-Meier survival curve: [(0, 1.0), (t, S(t)) at each step t where an event happened]."""
+    curve, survival = [(0, 1.0)], 1.0
+    for t in sorted({t for t, e in zip(times, events, strict=True) if e}):
+        at_risk = sum(1 for u in times if u >= t)
+        died = sum(1 for u, e in zip(times, events, strict=True) if e and u == t)
+        survival *= 1.0 - died / at_risk
+        curve.append((t, survival))
+    return curve
+
+
+def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -> tuple[float, float]:
+    """(chi², p) of the log-rank test that two groups' (times, events) share one survival curve (1 degree
+    of freedom; p = 1 when neither group has an event)."""
+    (ta, ea), (tb, eb) = a, b
+    observed = expected = variance = 0.0
+    for t in sorted({t for t, e in zip(ta + tb, ea + eb, strict=True) if e}):
+        na, nb = sum(u >= t for u in ta), sum(u >= t for u in tb)
+        da = sum(1 for u, e in zip(ta, ea, strict=True) if e and u == t)
+        d = da + sum(1 for u, e in zip(tb, eb, strict=True) if e and u == t)
+        n = na + nb
+        observed += da
+        expected += d * na / n
+        variance += d * (na / n) * (nb / n) * (n - d) / max(n - 1, 1)
+    if variance == 0:
+        return 0.0, 1.0
+    chi2 = (observed - expected) ** 2 / variance
+    return chi2, math.erfc(math.sqrt(chi2 / 2))
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval (95% by default) of a proportion k / n."""
+    if not 0 <= k <= n or n < 1:
+        raise ValueError(f"wilson needs 0 <= k <= n and n >= 1, got k={k}, n={n}")
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def survival_table(arms: dict[str, list[Outcome]], against: tuple[str, ...] = ()) -> dict[str, dict]:
+    """Per arm and event ("runaway", "explosion"): runs, events, their rate's Wilson interval, the
+    Kaplan-Meier curve, the log-rank p against each arm of `against` present (other than itself), and for
+    runaways the count per first layer."""
+    table = {}
+    for arm, outcomes in arms.items():
+        row: dict = {"runs": len(outcomes)}
+        for event in ("runaway", "explosion"):
+            times, happened = event_times(outcomes, event)
+            k = sum(happened)
+            row[event] = {"events": k, "interval": wilson(k, len(outcomes)),
+                          "curve": kaplan_meier(times, happened),
+                          "log_rank_p": {other: log_rank((times, happened),
+                                                         event_times(arms[other], event))[1]
+                                         for other in against if other in arms and other != arm}}
+        layers = [o.layer for o in outcomes if o.runaway is not None]
+        row["runaway"]["layers"] = {layer: layers.count(layer) for layer in sorted(set(layers))}
+        table[arm] = row
+    return table

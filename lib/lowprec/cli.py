@@ -29,6 +29,8 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
                   "correctness, fuzz and bias of the real attention kernels (GPU; --smoke on a CPU)"),
         "cures": ("lowprec.instruments.cures",
                   "bias and cost of every cure of the rounding bias in our kernel (GPU; --smoke on a CPU)"),
+        "reproducibility": ("lowprec.instruments.reproducibility",
+                            "same-seed runs alone, side by side, telemetry on or off: one trajectory? (GPU)"),
     },
     "experiment": {
         "positive-control": ("lowprec.instruments.positive_control",
@@ -37,6 +39,8 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
                     "train attention arms x seeds side by side; record who explodes and the signature"),
         "bias-noise": ("lowprec.instruments.bias_noise",
                        "at a run's checkpoints: the W_Q gradient's rounding bias against its batch noise"),
+        "study": ("lowprec.instruments.study",
+                  "make a queue's runs, each to its horizon; the survival of each arm (--status)"),
     },
 }
 

@@ -46,6 +46,8 @@ class TrainConfig:
     device: str = "auto"         # "auto" = cuda if available else cpu
     compile: bool | None = None  # torch.compile the model; None = on for cuda, off for cpu
     allow_tf32: bool = False     # the paper's code keeps TF32 off
+    deterministic: bool = True   # the same seed gives the same weights in every run (`train.set_determinism`;
+                                 # records made before this key: false)
     log_interval: int = 10       # metrics every this many steps (one host sync each)
     eval_interval: int = 0       # validation loss every this many steps (a multiple of log_interval); 0 = off
     eval_batches: int = 4        # micro-batches of the (fixed) validation windows per evaluation
@@ -100,7 +102,7 @@ class TrainConfig:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(names)}")
-        return cls(**{**d, "model": GPTConfig(**d.get("model", {}))})
+        return cls(**{"deterministic": False, **d, "model": GPTConfig(**d.get("model", {}))})
 
 
 def smoke_cpu() -> TrainConfig:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -96,6 +97,29 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.lr - cfg.min_lr)
 
 
+def set_determinism(on: bool) -> None:
+    """Process-wide, like torch.manual_seed: with `on`, a seed gives the same weights in every run on one kind
+    of GPU, alone or beside other processes, with or without telemetry: PyTorch's deterministic algorithms
+    (an op without one warns), a fixed cuBLAS workspace, Inductor without timing-based choices that change
+    the arithmetic, and our kernel's tiles from a fixed table instead of the autotuner's timings."""
+    import torch._inductor.config as inductor  # 1.5 s: only for a trainer
+
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # a NaN fill of every empty(): cost, no use
+    inductor.deterministic = on
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the model's state (names, dtypes, shapes, bytes, in order): equal only for equal weights."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW, weight decay on parameters of dim >= 2 (matrices and embeddings), none on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -145,6 +169,7 @@ class Trainer:
             raise ValueError("resume and init_from exclude each other: resume continues <out>'s own record, "
                              "init_from starts a new one")
         self.cfg, self.out, self.callback = cfg, check_target(out, "--out"), callback
+        set_determinism(cfg.deterministic)
         self.ckpt_dir = check_target(cfg.ckpt_dir, "ckpt_dir") if cfg.ckpt_dir else self.out / "checkpoint"
         self.dist, self.device = setup_distributed(cfg)
         if cfg.grad_accum % self.dist.world_size:
@@ -468,7 +493,13 @@ class Trainer:
                    "time_s": self.elapsed + time.perf_counter() - self.t_start,
                    "diverged_step": self.diverged_step, "final_loss": self.last_loss,
                    "min_loss_after_warmup": self.running_min if math.isfinite(self.running_min) else None,
-                   "repetition": self.data.repetition(done * cfg.tokens_per_step)}  # epochs of the corpus
+                   "repetition": self.data.repetition(done * cfg.tokens_per_step),  # epochs of the corpus
+                   "weights_sha256": weights_digest(self.model)}
+        if self.last_loss is not None:
+            summary["final_loss_hex"] = float.hex(self.last_loss)  # the exact fp32 value, for twins
+        flash = sys.modules.get("lowprec.attention.flash")
+        if flash is not None and self.device.type == "cuda":
+            summary["kernel_tiles"] = flash.launched_tiles()
         if self.writer is not None:
             if self.last_loss is None:  # no step ran: the loss the record has stays
                 summary["final_loss"] = self.writer.summary.get("final_loss")

@@ -5,7 +5,8 @@ override) the spec's. Backends (all take and return (batch, heads, seq, head_dim
 q's dtype). Every backend takes k, v with fewer heads than q (grouped-query attention), Nq != Nk with the
 causal mask aligned bottom-right, and `scale` (default 1/sqrt(head_dim)); reference.py says how:
 - "reference": float64 softmax attention (`reference_attention`), cast back to q's dtype.
-- "math": plain attention in the input dtype, op by op as torch does it: q @ k^T * scale, mask, softmax, @ v.
+- "math": plain attention in the input dtype, op by op as torch does it: q @ k^T * scale, mask, softmax, @ v;
+  `dtype="float32"` computes it in fp32 (autocast off) and casts the output back.
 - "sdpa": torch.nn.functional.scaled_dot_product_attention; `sdpa_backend=` "flash" | "efficient" | "cudnn" |
   "math" pins one torch kernel (default: torch chooses).
 - "emulated": `emulated_attention` (pure PyTorch, the kernel's tile order and rounding points); keywords
@@ -27,10 +28,20 @@ from lowprec.attention.spec import AttentionSpec
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
 
 
+MATH_DTYPES = ("float32", "float64")
+
+
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                   scale: float | None = None) -> torch.Tensor:
-    """Standard (non-flash) attention with every op in the input dtype (rows that see no key: 0)."""
+                   scale: float | None = None, dtype: str | None = None) -> torch.Tensor:
+    """Standard (non-flash) attention with every op in the input dtype, or in `dtype` (one of MATH_DTYPES,
+    autocast off) and the output cast back to the input dtype (rows that see no key: 0)."""
     check_qkv(q, k, v)
+    if dtype is not None:
+        if dtype not in MATH_DTYPES:
+            raise ValueError(f"math attention's dtype must be one of {MATH_DTYPES}, got {dtype!r}")
+        wide = getattr(torch, dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            return math_attention(q.to(wide), k.to(wide), v.to(wide), causal, scale).to(q.dtype)
     s = scaled_scores(q, k, scale)
     blind = None  # rows that see no key (causal, Nq > Nk): their scores become 0 and their output 0, not NaN
     if causal:

@@ -30,10 +30,10 @@ Launch
 - Block sizes: under the interpreter BLOCK_M = BLOCK_N = 64 (or Precision.tile, or block_m/block_n), the same
   tiles as emulated_attention's defaults. On a GPU the kernels are autotuned over a few Hopper configs
   (BLOCK_M, warps, stages; the forward keeps BLOCK_N = 64 so that per-tile tie detection does not depend on
-  the chosen config; 128-key tiles for the forward without the Fix were tried at 208ab74 and never picked),
-  each tried only for the head dims it suits (`_CONFIGS_FOR`: head dim 256 needs smaller tiles); the Fix,
-  the counters and the rounding codes (constexprs FIX, WITH_STATS, CODES, NORM ...) are part of the autotune
-  key, so each variant gets its own pick.
+  the chosen config), each tried only for the head dims it suits (`_CONFIGS_FOR`: head dim 256 needs smaller
+  tiles); the Fix, the counters and the rounding codes (constexprs FIX, WITH_STATS, CODES, NORM ...) are part
+  of the autotune key, so each variant gets its own pick. Under torch.use_deterministic_algorithms(True) no
+  timing chooses: the kernels launch with the PINNED tiles (`launched_tiles()` lists what ran).
 - Kernel arguments: the six rounding codes go in as one constexpr tuple CODES (POINTS order; the backward
   needs only the scores' code, C_SCORES), the Fix's numbers as one fp32 tuple `fix` = (beta, tol, min_gap,
   max_gap) (placeholders without a Fix; tol is also the counters' near-tie window), each tensor's strides as
@@ -85,7 +85,8 @@ FWD_BLOCK_N = 64  # on a GPU the forward's key tile is fixed: per-tile tie detec
 SHARED_MEMORY_LIMIT = 232_448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 FIXED_BLOCKS = (64, 64)  # the caller-chosen blocks compile_for_gpu checks (the GPU suite's)
 
-__all__ = ["INTERPRET", "autotuned_configs", "compile_for_gpu", "flash_attention", "flash_delta"]
+__all__ = ["INTERPRET", "PINNED", "autotuned_configs", "compile_for_gpu", "flash_attention", "flash_delta",
+           "launched_tiles"]
 
 # ----------------------------------------------------------------------------------------------- autotune
 
@@ -144,11 +145,29 @@ _dkdv_tuned = _tuned(_dkdv, "dkdv", "BLOCK_N", keys=("GROUP", "C_SCORES"))
 _dq_tuned = _tuned(_dq, "dq", "BLOCK_M", keys=("C_SCORES",))
 
 
+_KERNELS = {"fwd": (_fwd, _fwd_tuned), "dkdv": (_dkdv, _dkdv_tuned), "dq": (_dq, _dq_tuned)}
+
+# (BLOCK_M, BLOCK_N, warps, stages) per kernel and BLOCK_D (16-64: the 64 row) in a deterministic run
+# (torch.use_deterministic_algorithms(True)): the tiles set the order of the backward's sums, so they must not
+# follow the autotuner's timings. These are its picks for causal attention on an H200 (bench.json at 208ab74).
+PINNED = {"fwd": {64: (64, FWD_BLOCK_N, 4, 3), 128: (64, FWD_BLOCK_N, 4, 3), 256: (64, FWD_BLOCK_N, 8, 2)},
+          "dkdv": {64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (64, 32, 8, 2)},
+          "dq": {64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)}}
+_pinned_launched: dict[str, str] = {}
+
+
 def autotuned_configs() -> dict[str, dict[str, str]]:
     """The autotuner's picks so far, per kernel ("fwd", "dkdv", "dq"): tuning key -> config (for benchmark
     records)."""
-    tuned = {"fwd": _fwd_tuned, "dkdv": _dkdv_tuned, "dq": _dq_tuned}
-    return {name: {str(key): str(config) for key, config in t.cache.items()} for name, t in tuned.items()}
+    return {name: {str(key): str(t.cache[key]) for key in t.cache} for name, (_, t) in _KERNELS.items()}
+
+
+def launched_tiles() -> dict[str, str]:
+    """Every kernel configuration launched so far: "<kernel> d<BLOCK_D>" -> "MxNxwarpsxstages" for the pinned
+    ones, "<kernel> <tuning key>" -> the config for the autotuned ones (for run records)."""
+    tuned = {f"{name} {key}": config for name, picks in autotuned_configs().items()
+             for key, config in picks.items()}
+    return {**_pinned_launched, **tuned}
 
 
 # ------------------------------------------------------------------------------------------------- launch
@@ -214,19 +233,27 @@ def _fixed_options(block_d: int) -> dict[str, int]:
     return {"num_warps": 8, "num_stages": 2} if block_d >= 256 else {"num_warps": 4, "num_stages": 3}
 
 
-def _launch(kernel, tuned, run: _Run, n: int, bh: int, rows: str, *args, **constexprs) -> None:
-    """Launch with fixed blocks or the autotuned variant over the grid (`rows`-sized blocks, B*H folded over
-    y and z): the blocks of one head run side by side (its K and V stay in L2), and any batch x heads fits."""
+def _launch(name: str, run: _Run, n: int, bh: int, rows: str, *args, **constexprs) -> None:
+    """Launch kernel `name` over the grid (`rows`-sized blocks, B*H folded over y and z: the blocks of one
+    head run side by side, so its K and V stay in L2, and any batch x heads fits) with the caller's blocks,
+    the PINNED ones in a deterministic run, or the autotuner's pick."""
+    kernel, tuned = _KERNELS[name]
     grid = lambda meta: (triton.cdiv(n, meta[rows]), *_fold(bh))
-    if run.blocks is None:
+    block_d = constexprs["BLOCK_D"]
+    if run.blocks is not None:
+        blocks, options = run.blocks, _fixed_options(block_d)
+    elif torch.are_deterministic_algorithms_enabled():
+        *blocks, warps, stages = PINNED[name][max(block_d, 64)]
+        options = {"num_warps": warps, "num_stages": stages}
+        _pinned_launched[f"{name} d{block_d}"] = "x".join(map(str, (*blocks, warps, stages)))
+    else:
         tuned[grid](*args, **constexprs)
         return
     try:
-        kernel[grid](*args, **constexprs, BLOCK_M=run.blocks[0], BLOCK_N=run.blocks[1],
-                     **_fixed_options(constexprs["BLOCK_D"]))
+        kernel[grid](*args, **constexprs, BLOCK_M=blocks[0], BLOCK_N=blocks[1], **options)
     except OutOfResources as exc:
-        m, n, dtype = *run.blocks, " in fp32" if constexprs["IEEE"] else ""
-        raise ValueError(f"block_m={m}, block_n={n} need more {exc.name} than this GPU has at head dim "
+        m, n_, dtype = *blocks, " in fp32" if constexprs["IEEE"] else ""
+        raise ValueError(f"block_m={m}, block_n={n_} need more {exc.name} than this GPU has at head dim "
                          f"{constexprs['D']}{dtype}: pass smaller ones, or none to autotune") from None
 
 
@@ -278,7 +305,7 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     shape = (len(STAT_NAMES), B, H, N) if with_stats else (0,)
     stats = torch.zeros(shape, device=q.device, dtype=torch.int32)
     fp = run.fix
-    _launch(_fwd, _fwd_tuned, run, N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
+    _launch("fwd", run, N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
             *map(_strides, (q, k, v, o)), N, k.shape[2], H, H // k.shape[1], B * H, run.scale, _fix_args(run),
             seed, D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal,
             FIX=0 if fp is None else 2 if fp.whole_row else 1, WITH_STATS=with_stats, P_FP32=run.p_fp32,
@@ -321,9 +348,9 @@ def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal, IEEE=q.dtype == torch.float32,
                   C_SCORES=run.codes["scores"])
     sizes = (N, n_k, H, H // H_kv)
-    _launch(_dkdv, _dkdv_tuned, run, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
+    _launch("dkdv", run, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
             *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, GROUPED=H_kv < H, **common)
-    _launch(_dq, _dq_tuned, run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
+    _launch("dq", run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
             *map(_strides, (q, k, v, do, dq)), *sizes, B * H, run.scale, **common)
     return dq, dk, dv
 

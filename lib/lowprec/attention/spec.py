@@ -7,6 +7,7 @@ records). The string form is "backend[/key=value/...]":
     sdpa                                     torch's SDPA, torch picks the kernel
     sdpa/sdpa_backend=flash                  one of torch's kernels
     math                                     plain attention in the input dtype
+    math/dtype=float32                       the same in fp32 (autocast off), cast back to the input dtype
     emulated/precision=paper                 the emulator, the authors' all-bf16 placement
     triton/precision=fa2:weights=e8m3/fix=2  our kernel, 3-bit P̄, the paper's Fix with beta 2
     triton/precision=fa2/fix=2:tie=row       the Fix counting ties over whole rows
@@ -48,7 +49,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("reference", call_keywords=("scale",)),
-    Backend("math", softcap=True, call_keywords=("scale",)),
+    Backend("math", softcap=True, options={"dtype": str}, call_keywords=("scale",)),
     Backend("sdpa", options={"sdpa_backend": str}, call_keywords=("scale",)),
     Backend("emulated", precision=True,
             options={"block_m": int, "block_n": int, "delta": str, "o_for_delta": str},

@@ -27,6 +27,10 @@ Arms are short names for attention specs (`arm_spec`):
                  is Precision "consistent"), chapter 5's rounded-weight normalisation
   <arm>-fix      the same with the paper's Fix(beta=2) (its tie tolerance follows P̄'s format); last, e.g.
                  "kbit3-consistent-fix"
+  attn-fp32      bf16 model, attention entirely in fp32 (math/dtype=float32, forward and backward), its
+                 output cast back to bf16
+  model-fp32     no bf16 anywhere: the whole model in fp32 (dtype=float32, no autocast, TF32 off), attention
+                 by "math" in fp32
 `--backend emulated` swaps the Triton kernel for the pure-PyTorch emulator (CPU tests).
 """
 
@@ -55,6 +59,7 @@ PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=n
               "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none",
               "bf16scores": "fa2:scores=input,weights=none,tile=64",
               "bf16rowsum": "fa2:weights=none,rowsum=input,tile=64"}
+FP32_ARMS = {"attn-fp32": ("math/dtype=float32", ()), "model-fp32": ("math", ("dtype=float32",))}
 FIX = Fix(beta=2.0)
 CONSISTENT = "-consistent"
 FIX_BACKENDS = backends_with("fix")
@@ -66,6 +71,8 @@ def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
     triton/precision=fa2:weights=e8m3@ones/fix=2."""
     if backend not in FIX_BACKENDS:
         raise ValueError(f"backend must be one of {FIX_BACKENDS}, got {backend!r}")
+    if arm in FP32_ARMS:
+        return AttentionSpec.parse(FP32_ARMS[arm][0])
     base, fix = (arm.removesuffix("-fix"), True) if arm.endswith("-fix") else (arm, False)
     base, consistent = ((base.removesuffix(CONSISTENT), True) if base.endswith(CONSISTENT)
                         else (base, False))
@@ -76,16 +83,29 @@ def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
         precision = PLACEMENTS[base]
     else:
         raise ValueError(f"unknown arm {arm!r}: use {', '.join(PLACEMENTS)}, onesK or kbitK "
-                         "(K = 1..9 significand bits), optionally with '-consistent', then '-fix'")
+                         "(K = 1..9 significand bits), optionally with '-consistent', then '-fix'; or "
+                         f"{', '.join(FP32_ARMS)}")
     if consistent:
         precision = replace(Precision.parse(precision), norm="rounded")
     return AttentionSpec(backend, precision, FIX if fix else None)
 
 
-def arm_of(spec: AttentionSpec | str) -> str:
-    """The arm that runs an attention spec (the inverse of `arm_spec`), e.g. for records whose folders were
-    named before an arm was renamed; ValueError if no arm does."""
+def arm_overrides(arm: str, backend: str = "triton") -> list[str]:
+    """The config overrides (`--set` items) that make a run of `arm`: its attention spec, and for model-fp32
+    the model's dtype."""
+    extra = FP32_ARMS[arm][1] if arm in FP32_ARMS else ()
+    return [f"attention={arm_spec(arm, backend)}", *extra]
+
+
+def arm_of(spec: AttentionSpec | str, dtype: str = "bfloat16") -> str:
+    """The arm that runs an attention spec in a model of `dtype` (the inverse of `arm_overrides`), e.g. for
+    records whose folders were named before an arm was renamed; ValueError if no arm does."""
     spec = AttentionSpec.parse(spec)
+    fp32 = next((arm for arm, (text, extra) in FP32_ARMS.items()
+                 if AttentionSpec.parse(text) == spec and ("dtype=float32" in extra) == (dtype == "float32")),
+                None)
+    if fp32 is not None:
+        return fp32
     if spec.fix not in (None, FIX) or spec.backend not in FIX_BACKENDS:
         raise ValueError(f"no explode arm runs {str(spec)!r}")
     bases = [*PLACEMENTS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
@@ -144,7 +164,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arms", default="ones2,ones2-fix,fp32pv",
                         help="comma-separated arms (module docstring): fa2, paper64, fp32pv, "
                              "paper64-fp32pv, bf16scores, bf16rowsum, onesK, kbitK, each optionally with "
-                             "-consistent, then -fix")
+                             "-consistent, then -fix; attn-fp32, model-fp32")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
     parser.add_argument("--gpus", type=int, default=None,
@@ -158,6 +178,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     specs = {arm: str(arm_spec(arm, args.backend)) for arm in arms}
+    sets = {arm: arm_overrides(arm, args.backend) for arm in arms}
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
@@ -189,9 +210,8 @@ def run(args: argparse.Namespace) -> int:
     for i, (seed, arm) in enumerate(jobs):
         name = run_name(arm, seed)
         cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", args.config,
-               "--out", str(out / name), "--set", f"seed={seed}", "--set", f"attention={specs[arm]}",
-               "--set", "progress=false",
-               *itertools.chain.from_iterable(("--set", o) for o in args.overrides)]
+               "--out", str(out / name), "--set", f"seed={seed}", "--set", "progress=false",
+               *itertools.chain.from_iterable(("--set", o) for o in [*sets[arm], *args.overrides])]
         threads = None if gpus else max(1, (os.cpu_count() or 1) // len(jobs))
         procs[name] = launch(cmd, i % gpus if gpus else None, out / f"{name}.log", threads)
     print(f"explode: {len(procs)} runs ({', '.join(arms)} x seeds {seeds}) on "

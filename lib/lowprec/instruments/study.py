@@ -1,0 +1,188 @@
+"""`lowprec experiment study --queue Q --out DIR --minutes M`: make a queue's runs, each to its horizon.
+
+The queue (a JSON file, committed beside its records) names the recipe (a config and overrides), the horizon
+in steps, and the runs in the order they should be made: {"arm", "seed"} (arms as in `explode`). A run is done
+when its record, in the queue's folder or in --out, reached the horizon or the stop rule; every other run is
+still planned, so the work picks up where it stopped. The runner starts planned runs in queue order, `--slots`
+at a time, each only if its expected time (the median of its arm's done runs, else the queue's estimate)
+ends before the budget does; a run still going when the budget ends gets SIGTERM and stays planned (a run
+has no outcome until it reaches its horizon). `--status` prints every run's state and the survival table
+(`analysis.survival_table`) of the done ones and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lowprec.analysis import outcome, survival_table
+from lowprec.configs import CONFIGS, get_config
+from lowprec.instruments.explode import arm_overrides, launch, run_name, stop_all
+from lowprec.runs import RunRecordError, load_run, provenance, write_json
+
+START_S = 30.0  # a process's start before its first step (imports, data), beside the trainer's own time_s
+
+
+def load_queue(path: str | Path) -> dict:
+    """The queue file, checked: config, horizon, overrides, runs [{arm, seed}], estimate_s {arm: seconds}."""
+    path = Path(path)
+    try:
+        queue = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--queue {path}: not a readable queue file ({exc})") from None
+    missing = [k for k in ("config", "horizon", "overrides", "runs", "estimate_s") if k not in queue]
+    if missing:
+        raise ValueError(f"--queue {path}: lacks {missing}")
+    if queue["config"] not in CONFIGS or not isinstance(queue["horizon"], int) or queue["horizon"] < 1:
+        raise ValueError(f"--queue {path}: config must be one of {sorted(CONFIGS)}, horizon an int >= 1")
+    for item in queue["runs"]:
+        arm_overrides(item["arm"])  # an unknown arm fails here
+        if item["arm"] not in queue["estimate_s"]:
+            raise ValueError(f"--queue {path}: no estimate_s for arm {item['arm']!r}")
+    return queue
+
+
+def run_overrides(queue: dict, arm: str, seed: int) -> list[str]:
+    """The `--set` items of one run: the recipe, the horizon, the seed and the arm's own."""
+    return [*queue["overrides"], f"max_iters={queue['horizon']}", f"seed={seed}", *arm_overrides(arm),
+            "progress=false"]
+
+
+def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
+    """("done", folder) for the first folder holding a record with an outcome at `horizon`, else ("planned",
+    None) (or ("partial", folder) for a record that stopped short)."""
+    seen = None
+    for folder in folders:
+        try:
+            run = load_run(folder)
+        except RunRecordError:
+            continue
+        try:
+            outcome(run, horizon)
+            return "done", folder
+        except ValueError:
+            seen = folder
+    return ("partial", seen) if seen else ("planned", None)
+
+
+def expected_s(queue: dict, arm: str, rows: list[dict]) -> float:
+    """Seconds one run of `arm` is expected to take: the median time of its done runs (+ START_S), at least
+    the queue's estimate."""
+    times = [load_run(r["folder"]).summary["time_s"] + START_S for r in rows
+             if r["arm"] == arm and r["state"] == "done"]
+    return max(queue["estimate_s"][arm], statistics.median(times) if times else 0.0)
+
+
+def states(queue: dict, home: Path, out: Path | None) -> list[dict]:
+    """Every queued run with its state and record folder (the queue's folder first, then --out)."""
+    rows = []
+    for item in queue["runs"]:
+        name = run_name(item["arm"], item["seed"])
+        state, folder = run_state([home / name] + ([out / name] if out else []), queue["horizon"])
+        rows.append({**item, "name": name, "state": state, "folder": folder})
+    return rows
+
+
+def status(queue: dict, home: Path, out: Path | None) -> str:
+    """A line per queued run, then per arm the runaway and explosion counts of the done runs."""
+    rows = states(queue, home, out)
+    lines = [f"{r['name']:<22} {r['state']:<8} {r['folder'] or ''}" for r in rows]
+    done: dict[str, list] = {}
+    for r in rows:
+        if r["state"] == "done":
+            done.setdefault(r["arm"], []).append(outcome(load_run(r["folder"]), queue["horizon"]))
+    table = survival_table(done, against=("fa2", "model-fp32"))
+    lines.append(f"\n{'arm':<16} {'runs':>4}  runaway (95% CI)        explosion (95% CI)       first layer")
+    for arm, row in table.items():
+        cells = [f"{row[e]['events']}/{row['runs']} ({row[e]['interval'][0]:.2f}-{row[e]['interval'][1]:.2f})"
+                 for e in ("runaway", "explosion")]
+        lines.append(f"{arm:<16} {row['runs']:>4}  {cells[0]:<23} {cells[1]:<23} {row['runaway']['layers']}")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--queue", required=True, help="queue file (JSON; records beside it count as done)")
+    parser.add_argument("--out", help="folder for new run records (one per arm and seed)")
+    parser.add_argument("--minutes", type=float, default=20.0, help="no run starts that would end after this")
+    parser.add_argument("--slots", type=int, default=1, help="runs at a time (on the one GPU, or the CPU)")
+    parser.add_argument("--status", action="store_true", help="print each run's state and the table, exit")
+    parser.add_argument("--dry-run", action="store_true", help="print what would start, and exit")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds a stopped run may take to end")
+
+
+def run(args: argparse.Namespace) -> int:
+    queue = load_queue(args.queue)
+    home = Path(args.queue).parent
+    out = Path(args.out) if args.out else None
+    if args.status:
+        print(status(queue, home, out))
+        return 0
+    if out is None:
+        raise ValueError("--out is required unless --status")
+    if args.minutes <= 0 or args.slots < 1:
+        raise ValueError(f"--minutes must be > 0 and --slots >= 1, got {args.minutes} and {args.slots}")
+    for item in queue["runs"]:  # a bad override fails here, before anything starts
+        get_config(queue["config"], run_overrides(queue, item["arm"], item["seed"]))
+    every = states(queue, home, out)
+    rows = [r for r in every if r["state"] != "done"]
+    budget = args.minutes * 60
+    expected = {arm: expected_s(queue, arm, every) for arm in {r["arm"] for r in rows}}
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    procs: dict[str, subprocess.Popen] = {}
+    started: dict[str, float] = {}
+    log = {"queue": str(args.queue), "provenance": provenance(sys.argv), "budget_s": budget, "runs": {}}
+    try:
+        while True:
+            now = time.monotonic() - t0
+            running = [n for n, p in procs.items() if p.poll() is None]
+            for r in list(rows):
+                if len(running) >= args.slots:
+                    break
+                if now + expected[r["arm"]] > budget:
+                    continue
+                rows.remove(r)
+                name = r["name"]
+                if args.dry_run:
+                    print(f"would start {name} (expected {expected[r['arm']]:.0f} s)")
+                    running.append(name)
+                    continue
+                folder = out / name
+                if folder.exists():  # a partial record of an earlier budget: the run starts over
+                    shutil.rmtree(folder)
+                sets = run_overrides(queue, r["arm"], r["seed"])
+                cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out",
+                       str(folder), *(x for o in sets for x in ("--set", o))]
+                gpu = 0 if torch.cuda.is_available() else None
+                threads = None if gpu == 0 else max(1, (os.cpu_count() or 1) // args.slots)
+                procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)
+                started[name] = now
+                running.append(name)
+                print(f"[{now:5.0f}s] start {name} (expected {expected[r['arm']]:.0f} s)", flush=True)
+            if args.dry_run or not running:
+                break
+            time.sleep(5)
+            if int(time.monotonic() - t0) % 60 < 5:
+                print(f"[{time.monotonic() - t0:5.0f}s] running {', '.join(running)}", flush=True)
+            if time.monotonic() - t0 > budget:
+                print("budget spent: stopping the runs still going (they stay planned)", flush=True)
+                break
+    except KeyboardInterrupt:
+        print("study: interrupted; stopping the runs", flush=True)
+    stop_all(procs, args.grace)
+    for name, proc in procs.items():
+        state, _ = run_state([out / name], queue["horizon"])
+        log["runs"][name] = {"started_s": started[name], "exit_code": proc.returncode, "state": state}
+    if not args.dry_run:
+        log["wall_s"] = time.monotonic() - t0
+        write_json(out / f"study-{time.strftime('%Y%m%dT%H%M%S')}.json", log)
+        print(status(queue, home, out))
+    return 0

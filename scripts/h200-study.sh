@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The attribution study on a GPU machine (results/explode/survival/queue.json), in phases so that its work
+# outlives one device call:
+#   PHASE=unpack SHARDS=.carry/cN  applies one carried shard folder of the corpus to data/gpt2-english+code
+#   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
+#                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
+#                                  `lowprec experiment study` for what is left of M minutes, as many runs at a
+#                                  time as gave the most tokens/s in the reproducibility groups (else SLOTS)
+#   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds, then packs (below)
+#   PHASE=pack                     $OUT/survival.tgz (the study's records, no checkpoints) and $OUT/repro.tgz
+# Usage (repo root; the machine has no git history, so pass the commit):
+#   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
+set -u
+export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1
+WORK=${WORK:-/tmp/study}; DATA=data/gpt2-english+code
+mkdir -p "$WORK"
+case "$PHASE" in
+unpack)
+  python3 -m lowprec.cli data unpack "$SHARDS" --out "$DATA" ;;
+go)
+  # shellcheck disable=SC2016
+  setsid nohup bash -c '
+    set -u; end=$(( $(date +%s) + $1 * 60 )); work=$2
+    if [ "${REPRO:-0}" = 1 ]; then
+      python3 -m lowprec.cli measure reproducibility --steps 1000 --probe --runs-dir "$work/repro" \
+        --out "$work/reproducibility.json" --set lr=2e-3 --set warmup_iters=200 --set lr_decay_iters=30000 \
+        --set data=data/gpt2-english+code
+    fi
+    slots=$(python3 -c "
+import json, sys
+try:
+    groups = json.load(open(sys.argv[1]))[\"groups\"]
+except (OSError, KeyError, ValueError):
+    print(sys.argv[2]); sys.exit()
+best = max(groups, key=lambda g: g[\"tokens_per_s\"])
+print(len(best[\"runs\"]))" "$work/reproducibility.json" "${SLOTS:-1}")
+    left=$(( (end - $(date +%s)) / 60 - 1 ))
+    echo "study: $left minutes, $slots at a time"
+    [ "$left" -gt 0 ] && python3 -m lowprec.cli experiment study --queue "${QUEUE:-results/explode/survival/queue.json}" \
+      --out "$work/survival" --minutes "$left" --slots "$slots"
+  ' go "$MINUTES" "$WORK" > "$WORK/go.log" 2>&1 < /dev/null &
+  echo $! > "$WORK/go.pid"
+  echo "started (pid $!)" ;;
+wait|pack)
+  if [ "$PHASE" = wait ]; then
+    end=$((SECONDS + ${WAIT_S:-540}))
+    while [ $SECONDS -lt $end ] && kill -0 "$(cat "$WORK/go.pid")" 2> /dev/null; do sleep 5; done
+    tail -n 25 "$WORK/go.log"
+  fi
+  cd "$WORK" || exit 1
+  [ -d survival ] && tar czf "$OUT/survival.tgz" --exclude=checkpoint --exclude=writer.lock survival
+  [ -e reproducibility.json ] && tar czf "$OUT/repro.tgz" --exclude=checkpoint --exclude=writer.lock \
+    reproducibility.json repro go.log
+  ls -la "$OUT" ;;
+*)
+  echo "PHASE must be unpack, go, wait or pack" >&2; exit 2 ;;
+esac

@@ -1,0 +1,70 @@
+"""`lowprec experiment study` on CPU: a queue of runs made to their horizon, picked up where it stopped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lowprec.cli import main as lowprec_main
+from lowprec.runs import load_run
+
+RECIPE = ["block_size=32", "n_embd=32", "batch_size=4", "log_interval=1", "telemetry_interval=4",
+          "ckpt_interval=0", "eval_interval=0"]
+
+
+def write_queue(folder, runs, horizon=12, estimate=1.0):
+    folder.mkdir(parents=True, exist_ok=True)
+    queue = {"config": "smoke-cpu", "horizon": horizon, "overrides": RECIPE, "runs": runs,
+             "estimate_s": {"model-fp32": estimate, "attn-fp32": estimate}}
+    (folder / "queue.json").write_text(json.dumps(queue))
+    return folder / "queue.json"
+
+
+def test_study_makes_every_planned_run_once_and_reports(tmp_path, capsys):
+    runs = [{"arm": "model-fp32", "seed": 1}, {"arm": "attn-fp32", "seed": 1}, {"arm": "model-fp32", "seed": 2}]
+    queue = write_queue(tmp_path / "home", runs)
+    out = tmp_path / "out"
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5",
+                         "--slots", "2"]) == 0
+    for name in ("model-fp32-s1", "attn-fp32-s1", "model-fp32-s2"):
+        run = load_run(out / name)
+        assert run.summary["status"] == "finished" and run.summary["steps"] == 12
+        assert run.config["seed"] == int(name[-1]) and run.config["deterministic"]
+    assert load_run(out / "model-fp32-s1").config["dtype"] == "float32"
+    assert load_run(out / "attn-fp32-s1").config["model"]["attention"] == "math/dtype=float32"
+    capsys.readouterr()
+    # all done: a second call starts nothing; --status counts the runs per arm
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out)]) == 0
+    assert "start" not in capsys.readouterr().out
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--status"]) == 0
+    report = capsys.readouterr().out
+    assert any(line.split()[:2] == ["model-fp32-s2", "done"] for line in report.splitlines())
+    assert any(line.startswith("model-fp32") and "0/2" in line for line in report.splitlines())
+
+
+def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):
+    runs = [{"arm": "model-fp32", "seed": 1}]
+    queue = write_queue(tmp_path / "home", runs, estimate=3600)
+    out = tmp_path / "out"
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5"]) == 0
+    assert not (out / "model-fp32-s1").exists()  # an hour's run does not start in five minutes
+    # a record cut short (a budget ended it) has no outcome: it stays planned and starts over
+    assert lowprec_main(["train", "--config", "smoke-cpu", "--out", str(out / "model-fp32-s1"),
+                         *sum((["--set", o] for o in [*RECIPE, "max_iters=4", "dtype=float32",
+                                                      "attention=math"]), [])]) == 0
+    queue = write_queue(tmp_path / "home", runs)
+    capsys.readouterr()
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--status"]) == 0
+    assert "partial" in capsys.readouterr().out
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5"]) == 0
+    assert load_run(out / "model-fp32-s1").summary["steps"] == 12
+
+
+def test_study_rejects_a_bad_queue(tmp_path, capsys):
+    queue = write_queue(tmp_path, [{"arm": "fa3", "seed": 1}])
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--status"]) == 2
+    assert "unknown arm" in capsys.readouterr().err
+    (tmp_path / "queue.json").write_text("{")
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--status"]) == 2
+    with pytest.raises(SystemExit):
+        lowprec_main(["experiment", "study"])

@@ -1,0 +1,88 @@
+"""Survival statistics of many runs (lowprec.analysis): synthetic records and a textbook data set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lowprec.analysis import (
+    Outcome,
+    event_times,
+    kaplan_meier,
+    log_rank,
+    outcome,
+    survival_table,
+    wilson,
+)
+from lowprec.runs import Run
+
+# Freireich et al. (1963), remission times in weeks: 6-MP (False = censored) against placebo; the log-rank
+# chi² of these two groups is 16.79 (Cox & Oakes; every survival-analysis textbook) and the Kaplan-Meier
+# curve of 6-MP is 0.857, 0.807, 0.753, 0.690, 0.627, 0.538, 0.448 at weeks 6, 7, 10, 13, 16, 22, 23.
+MP6 = ([6, 6, 6, 7, 10, 13, 16, 22, 23, 6, 9, 10, 11, 17, 19, 20, 25, 32, 32, 34, 35],
+       [True] * 9 + [False] * 12)
+PLACEBO = ([1, 1, 2, 2, 3, 4, 4, 5, 5, 8, 8, 8, 8, 11, 11, 12, 12, 15, 17, 22, 23], [True] * 21)
+
+
+def test_kaplan_meier_matches_the_textbook_curve() -> None:
+    curve = kaplan_meier(*MP6)
+    assert [t for t, _ in curve] == [0, 6, 7, 10, 13, 16, 22, 23]
+    assert [round(s, 3) for _, s in curve] == [1.0, 0.857, 0.807, 0.753, 0.690, 0.627, 0.538, 0.448]
+
+
+def test_log_rank_matches_the_textbook_chi_square() -> None:
+    chi2, p = log_rank(MP6, PLACEBO)
+    assert chi2 == pytest.approx(16.79, abs=0.01)
+    assert p == pytest.approx(4.17e-5, rel=0.01)
+    assert log_rank(PLACEBO, MP6)[0] == pytest.approx(chi2)  # symmetric
+    assert log_rank(([5, 5], [False, False]), ([5], [False])) == (0.0, 1.0)  # no event anywhere
+
+
+def test_wilson_interval() -> None:
+    assert wilson(0, 7) == pytest.approx((0.0, 3.8415 / (7 + 3.8415)), abs=1e-4)  # z²/(n+z²) at k=0
+    lo, hi = wilson(3, 3)
+    assert hi == 1.0 and lo == pytest.approx(1 - 3.8415 / (3 + 3.8415), abs=1e-4)
+    lo, hi = wilson(7, 12)
+    assert lo < 7 / 12 < hi and (lo, hi) == pytest.approx((0.3195, 0.8067), abs=1e-3)
+    with pytest.raises(ValueError, match="k <= n"):
+        wilson(4, 3)
+
+
+def fake_run(peaks: dict[int, list[float]], steps: int, diverged: int | None = None) -> Run:
+    """A record with telemetry every 50 steps: peaks[step] = each layer's largest logit (one head)."""
+    metrics = [{"step": s, "loss": 3.0, "telemetry": {"max_logit": [[x] for x in layers]}}
+               for s, layers in sorted(peaks.items())]
+    summary = {"status": "diverged" if diverged is not None else "finished", "steps": steps,
+               "diverged_step": diverged}
+    return Run(Path("synthetic"), {"warmup_iters": 0}, {}, metrics, [], summary)
+
+
+def test_outcome_finds_the_first_layer_past_the_threshold() -> None:
+    calm = {s: [10.0, 20.0, 5.0] for s in range(0, 1000, 50)}
+    run = fake_run({**calm, 400: [10.0, 1500.0, 900.0], 450: [2e3, 5e4, 3e3]}, steps=1000)
+    assert outcome(run, horizon=1000) == Outcome(runaway=400, layer=1, explosion=None, observed=1000)
+    assert outcome(fake_run(calm, steps=1000), 1000) == Outcome(None, None, None, 1000)
+    exploded = outcome(fake_run({**calm, 600: [1e4, 1.0, 1.0]}, steps=720, diverged=720), horizon=1000)
+    assert exploded == Outcome(600, 0, 720, 720)
+    late = outcome(fake_run({**calm, 600: [1e4, 1.0, 1.0]}, steps=1200, diverged=1100), horizon=500)
+    assert late == Outcome(None, None, None, 500)  # both events after the horizon: censored there
+    with pytest.raises(ValueError, match="outcome is unknown"):
+        outcome(fake_run(calm, steps=700), horizon=1000)  # stopped by a clock: no outcome
+
+
+def test_survival_table_counts_intervals_and_tests() -> None:
+    ran = [Outcome(1000 + 100 * i, 1, 2000 + 100 * i if i % 2 else None, 8000 if i % 2 == 0 else 2000 + 100 * i)
+           for i in range(6)]
+    calm = [Outcome(None, None, None, 8000) for _ in range(6)]
+    table = survival_table({"fa2": ran, "model-fp32": calm}, against=("fa2", "model-fp32"))
+    assert table["fa2"]["runs"] == 6 and table["fa2"]["runaway"]["events"] == 6
+    assert table["fa2"]["runaway"]["layers"] == {1: 6}
+    assert table["fa2"]["explosion"]["events"] == 3
+    assert table["model-fp32"]["runaway"]["events"] == 0
+    assert table["model-fp32"]["runaway"]["interval"] == pytest.approx(wilson(0, 6))
+    assert set(table["fa2"]["runaway"]["log_rank_p"]) == {"model-fp32"}
+    p = table["fa2"]["runaway"]["log_rank_p"]["model-fp32"]
+    assert p == pytest.approx(log_rank(event_times(ran, "runaway"), event_times(calm, "runaway"))[1])
+    assert p < 0.01
+    assert table["fa2"]["runaway"]["curve"][-1] == (1500, 0.0)
