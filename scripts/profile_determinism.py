@@ -1,0 +1,57 @@
+"""Where deterministic training spends its extra time: the CUDA kernels of a few gpu-6l training steps, by
+total time, with `deterministic` on or off (one setting per process: cuBLAS reads its workspace setting once).
+
+    python3 scripts/profile_determinism.py --deterministic 1 > det.txt
+    python3 scripts/profile_determinism.py --deterministic 0 > default.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from lowprec.configs import get_config
+from lowprec.model import GPT
+from lowprec.train import make_optimizer, set_determinism
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--deterministic", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    set_determinism(bool(args.deterministic))
+    cfg = get_config("gpu-6l", ["attention=triton/precision=fa2"])
+    torch.manual_seed(0)
+    model = GPT(cfg.model).cuda()
+    optimizer = make_optimizer(model, cfg, torch.device("cuda"))
+    forward = torch.compile(model)
+    x = torch.randint(0, 50257, (cfg.batch_size, 1024), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(x, x)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(args.steps):  # compile, autotune
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+    print(f"deterministic={args.deterministic}: {step_ms:.2f} ms a step")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
