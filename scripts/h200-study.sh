@@ -4,8 +4,8 @@
 #   PHASE=unpack SHARDS=.carry/cN  applies one carried shard folder of the corpus to data/gpt2-english+code
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
-#                                  `lowprec experiment study` for what is left of M minutes, as many runs at a
-#                                  time as gave the most tokens/s in the reproducibility groups (else SLOTS)
+#                                  `lowprec experiment study` for what is left of M minutes, SLOTS runs at a time
+#                                  (default 1; four at once gave 1.12x the tokens/s of one alone)
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds, then packs (below)
 #   PHASE=pack                     $OUT/survival.tgz (the study's records, no checkpoints) and $OUT/repro.tgz
 # Usage (repo root; the machine has no git history, so pass the commit):
@@ -26,14 +26,7 @@ go)
         --out "$work/reproducibility.json" --set lr=2e-3 --set warmup_iters=200 --set lr_decay_iters=30000 \
         --set data=data/gpt2-english+code
     fi
-    slots=$(python3 -c "
-import json, sys
-try:
-    groups = json.load(open(sys.argv[1]))[\"groups\"]
-except (OSError, KeyError, ValueError):
-    print(sys.argv[2]); sys.exit()
-best = max(groups, key=lambda g: g[\"tokens_per_s\"])
-print(len(best[\"runs\"]))" "$work/reproducibility.json" "${SLOTS:-1}")
+    slots=${SLOTS:-1}
     left=$(( (end - $(date +%s)) / 60 - 1 ))
     echo "study: $left minutes, $slots at a time"
     [ "$left" -gt 0 ] && python3 -m lowprec.cli experiment study --queue "${QUEUE:-results/explode/survival/queue.json}" \

@@ -7,8 +7,9 @@ The runs go in groups (`GROUPS`); the runs of a group start together and share t
 when the last one ends. Each run is `lowprec train` to --steps with the config and overrides; the record
 compares their final weights (`weights_sha256`) and last loss (`final_loss_hex`, exact), and gives each run's
 steady tokens/s (after its first 100 steps) and each group's total. `--probe` adds an in-process look at
-where the difference comes from: the gradients of one batch computed three times from the same weights,
-compiled and eager, with and without deterministic algorithms: the parameters whose gradients differ.
+where the difference comes from: the first group's arm computes the gradients of one batch three times from
+the same weights, compiled and eager, with and without deterministic algorithms: the parameters whose
+gradients differ between repeats.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def compare(runs: dict[str, dict], names: list[str]) -> dict:
             "final_losses": {n: runs[n]["final_loss"] for n in present}}
 
 
-def gradient_repeats(cfg: TrainConfig, compiled: bool, deterministic: bool, repeats: int = 3) -> list[str]:
-    """Parameters whose gradient on one batch differs between `repeats` computations from the same
-    weights in this process."""
+def gradient_repeats(cfg: TrainConfig, compiled: bool, deterministic: bool) -> dict[str, list[str]]:
+    """Parameters whose gradient on one batch, computed three times from the same weights in this process,
+    differs between the first and second computation (the first compiles and tunes) and between the second
+    and third."""
     from lowprec.data import sample_batch
     from lowprec.model import GPT
     from lowprec.train import load_tokens, set_determinism
@@ -75,13 +77,14 @@ def gradient_repeats(cfg: TrainConfig, compiled: bool, deterministic: bool, repe
     x, y = sample_batch(load_tokens(cfg.data).train, cfg.seed, 0, cfg.batch_size, cfg.model.block_size,
                         device="cuda")
     grads = []
-    for _ in range(repeats):
+    for _ in range(3):
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = forward(x, y)[1]
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    return sorted(n for n in grads[0] if any(not torch.equal(grads[0][n], g[n]) for g in grads[1:]))
+    return {pair: sorted(n for n in grads[0] if not torch.equal(grads[i][n], grads[i + 1][n]))
+            for i, pair in enumerate(("first_vs_second", "second_vs_third"))}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +101,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps <= STEADY_FROM:
         raise ValueError(f"--steps must be > {STEADY_FROM} (the first {STEADY_FROM} include compilation)")
-    base = get_config(args.config, args.overrides)
+    get_config(args.config, args.overrides)  # a bad override fails here, before anything starts
     gpu = 0 if torch.cuda.is_available() else None
     if args.probe and gpu is None:
         raise ValueError("--probe needs a CUDA GPU")
@@ -108,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
         runs_dir = Path(args.runs_dir or stack.enter_context(tempfile.TemporaryDirectory()))
         runs_dir.mkdir(parents=True, exist_ok=True)
         if args.probe:
+            arm = GROUPS[0][0][1]
+            probed = get_config(args.config, [*args.overrides, *arm_overrides(arm, args.backend)])
             record["probe"] = {f"{'compiled' if c else 'eager'}, {'deterministic' if d else 'default'}":
-                               gradient_repeats(base, c, d)
+                               gradient_repeats(probed, c, d)
                                for c, d in ((True, False), (True, True), (False, False))}
             print(json.dumps(record["probe"]), flush=True)
         for group in GROUPS:
