@@ -1,8 +1,9 @@
 """Where deterministic training spends its extra time: the CUDA kernels of a few gpu-6l training steps, by
-total time, with `deterministic` on or off (one setting per process: cuBLAS reads its workspace setting once).
+total time, with `deterministic` on or off (one setting per process: cuBLAS reads its workspace setting once),
+on random tokens or on batches of a data folder (real text repeats some token ids thousands of times a batch).
 
-    python3 scripts/profile_determinism.py --deterministic 1 > det.txt
-    python3 scripts/profile_determinism.py --deterministic 0 > default.txt
+    python3 scripts/profile_determinism.py --deterministic 1 [--data data/gpt2-english+code] > det.txt
+    python3 scripts/profile_determinism.py --deterministic 0 [--data ...] > default.txt
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import time
 
 import torch
 from lowprec.configs import get_config
+from lowprec.data import sample_batch
 from lowprec.model import GPT
-from lowprec.train import make_optimizer, set_determinism
+from lowprec.train import load_tokens, make_optimizer, set_determinism
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deterministic", type=int, required=True)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--data", default=None, help="a token folder (default: random tokens)")
     args = parser.parse_args()
     set_determinism(bool(args.deterministic))
     cfg = get_config("gpu-6l", ["attention=triton/precision=fa2"])
@@ -27,7 +30,10 @@ def main() -> None:
     model = GPT(cfg.model).cuda()
     optimizer = make_optimizer(model, cfg, torch.device("cuda"))
     forward = torch.compile(model)
-    x = torch.randint(0, 50257, (cfg.batch_size, 1024), device="cuda")
+    if args.data:
+        x = sample_batch(load_tokens(args.data).train, 1, 0, cfg.batch_size, 1024, device="cuda")[0]
+    else:
+        x = torch.randint(0, 50257, (cfg.batch_size, 1024), device="cuda")
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -45,7 +51,7 @@ def main() -> None:
         step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"deterministic={args.deterministic}: {step_ms:.2f} ms a step")
+    print(f"deterministic={args.deterministic}, {args.data or 'random tokens'}: {step_ms:.2f} ms a step")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()

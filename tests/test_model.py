@@ -122,3 +122,19 @@ def test_qk_layernorm_and_softcap():
         GPT(cfg)(tokens(cfg))
     with pytest.raises(ValueError, match="attn_softcap=2.0 needs attention backend in"):
         small(attention="math", layer_attention={1: "sdpa"}, attn_softcap=2.0)
+
+
+def test_the_compiled_embedding_op_is_the_embedding_and_its_gradient():
+    """`lowprec::embedding` (what a compiled GPT looks its tables up with): the lookup and the gradient of
+    nn.Embedding, bit for bit, repeated ids included; torch.library's checks of its fake and autograd pass."""
+    from lowprec.model import embed
+
+    table = torch.nn.Embedding(50, 8)
+    idx = torch.randint(0, 50, (4, 7))
+    idx[0, :5] = 3
+    out = torch.ops.lowprec.embedding(table.weight, idx)
+    grad = torch.randn_like(out)
+    (ours,) = torch.autograd.grad(out, table.weight, grad)
+    (plain,) = torch.autograd.grad(embed(table, idx), table.weight, grad)
+    assert torch.equal(out, table(idx)) and torch.equal(ours, plain)
+    torch.library.opcheck(torch.ops.lowprec.embedding, (table.weight, idx))

@@ -195,6 +195,45 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+@torch.library.custom_op("lowprec::embedding", mutates_args=())
+def _embedding(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return F.embedding(idx, weight)
+
+
+@_embedding.register_fake
+def _embedding_fake(weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty((*idx.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("lowprec::embedding_backward", mutates_args=())
+def _embedding_backward(grad: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.aten.embedding_dense_backward(grad, idx, rows, -1, False)
+
+
+@_embedding_backward.register_fake
+def _embedding_backward_fake(grad: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+    return grad.new_empty((rows, grad.shape[-1]))
+
+
+def _embedding_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[1])
+    ctx.rows = inputs[0].shape[0]
+
+
+def _embedding_grad(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return torch.ops.lowprec.embedding_backward(grad, ctx.saved_tensors[0], ctx.rows), None
+
+
+_embedding.register_autograd(_embedding_grad, setup_context=_embedding_setup)
+
+
+def embed(table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    """`table(idx)`; compiled, through ops Inductor keeps whole, so that the backward is PyTorch's own sorted
+    sum (deterministic and fast on repeated ids) rather than Inductor's index_put (atomic adds, or in
+    deterministic mode a sort that sums each id's rows one after another)."""
+    return torch.ops.lowprec.embedding(table.weight, idx) if torch.compiler.is_compiling() else table(idx)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -224,7 +263,7 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if self.config.block_size < T:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        x = embed(self.wte, idx) + embed(self.wpe, torch.arange(T, device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
