@@ -236,7 +236,8 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
 def test_criterion_predicts_the_positive_control() -> None:
     """Where chapter 4's control drifts (fa2 without the Fix; the paper placement with it), the criterion sees
     a bias along the control's R that beats the noise within a few steps; where it does not, no bias."""
-    from lowprec.instruments.positive_control import ControlConfig, criterion_probe
+    from lowprec.instruments.bias_noise import criterion_probe
+    from lowprec.instruments.control import ControlConfig
 
     cfg = ControlConfig()
     lowp = criterion_probe(cfg, "fa2", "lowp", batches=40)

@@ -74,6 +74,15 @@ from lowprec.attention import AttentionSpec, emulated_attention
 from lowprec.checkpoint import load_checkpoint
 from lowprec.configs import TrainConfig, apply_overrides
 from lowprec.data import sample_batch
+from lowprec.instruments.control import (
+    ControlConfig,
+    control_batch,
+    cos,
+    make_problem,
+    single_thread,
+    step,
+    treatment_precision,
+)
 from lowprec.instruments.lowrank import key_shares, mean_alignment
 from lowprec.model import GPT
 from lowprec.runs import load_run, provenance, write_json
@@ -142,6 +151,29 @@ def bias_noise(g_lp: torch.Tensor, g_hp: torch.Tensor, tokens_per_batch: int, to
         steps = (walk / drift) ** 2 * tokens_per_batch / tokens_per_step if drift > 0 else math.inf
     stats = HeadBias(bias, energy, t, abs(t) >= BIASED_T, noise, critical, drift, walk, steps)
     return stats, r
+
+
+@single_thread()
+def criterion_probe(cfg: ControlConfig, placement: str, treatment: str, batches: int = 100) -> dict:
+    """`bias_noise` in the positive control at its initial weights: a treatment's W_Q gradients against
+    float64 attention's on the same batches, with Adam's v estimated as the mean square of the float64
+    gradient (what v settles to; its median square root is returned as sqrt_v_median); tokens per step = one
+    batch."""
+    precision, fix = treatment_precision(placement, treatment, cfg.beta)
+    prob = make_problem(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    grads: dict[str, list[torch.Tensor]] = {"lp": [], "hp": []}
+    for _ in range(batches):
+        batch = control_batch(cfg, prob, gen)
+        for key, (prec, fx) in (("lp", (precision, fix)), ("hp", (None, None))):
+            w = prob.w0.clone().requires_grad_(True)
+            step(cfg, prob, w, batch, prec, fx)
+            grads[key].append(w.grad.detach().clone())
+    g_lp, g_hp = torch.stack(grads["lp"]), torch.stack(grads["hp"])
+    tokens = cfg.batch * cfg.seq
+    v = (g_hp.double() ** 2).mean(0)
+    stats, r = bias_noise(g_lp, g_hp, tokens, tokens, adam_v=v, eps=cfg.adam_eps)
+    return stats.to_dict() | {"r_cos": abs(cos(r, prob.r)), "sqrt_v_median": float(v.sqrt().median())}
 
 
 def _rows(model: GPT, weight: torch.Tensor, part: str) -> torch.Tensor:
