@@ -27,7 +27,7 @@ from lowprec.instruments.bias import (
     format_table,
     measure_bias,
 )
-from lowprec.instruments.explode import PLACEMENTS
+from lowprec.instruments.explode import ARMS
 
 ROWS = 20_480
 
@@ -169,7 +169,7 @@ def test_bf16_row_sum_swamps_the_tiles_after_a_dominant_key():
     """A running row sum kept in bf16 rounds away (or up by a whole ulp) the small sums of the tiles after a
     dominant key: O's scale is off by percents, one sign per concentration; not with the key in the last tile,
     and not with fa2's fp32 row sum."""
-    rowsum = functools.partial(emulated_attention, causal=False, precision=PLACEMENTS["bf16rowsum"])
+    rowsum = functools.partial(emulated_attention, causal=False, precision=ARMS["bf16rowsum"])
     fa2 = functools.partial(emulated_attention, causal=False, precision="fa2")
     for score, sign in ((10.0, -1), (11.0, 1)):
         first = dominant_key_scale_error(rowsum, score, position=0, heads=2)

@@ -26,7 +26,7 @@ from lowprec.instruments.bias_noise import (
     r_alignment,
     run_batch,
 )
-from lowprec.instruments.explode import PLACEMENTS
+from lowprec.instruments.explode import ARMS
 from lowprec.instruments.lowrank import key_shares
 from lowprec.model import GPT
 from lowprec.runs import load_run
@@ -137,7 +137,7 @@ def test_norm_errors_see_a_swamped_row_sum_and_fa2s_mismatch() -> None:
     round up to 1 while l keeps the unrounded weights (O too large); nothing rounded, or l summed from the
     rounded weights (consistent): nothing, or fp32 noise."""
     def errors(arm: str, q: torch.Tensor, k: torch.Tensor) -> list[dict]:
-        return norm_errors(q, k, AttentionSpec.parse(f"emulated/precision={PLACEMENTS.get(arm, arm)}"))
+        return norm_errors(q, k, AttentionSpec.parse(f"emulated/precision={ARMS.get(arm, arm)}"))
 
     swamped = planted_keys(4, 1024, first=10.0)  # key 0 holds ~0.93 of a full row's weight
     assert all(h["norm_error"] < -0.005 and h["norm_error_t"] < -10 for h in errors("bf16rowsum", *swamped))

@@ -51,7 +51,7 @@ from lowprec.attention.spec import backends_with
 from lowprec.configs import CONFIGS, get_config
 from lowprec.runs import check_target, metrics_file, provenance, write_json
 
-PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
+ARMS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
               "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none",
               "bf16scores": "fa2:scores=input,weights=none,tile=64",
               "bf16rowsum": "fa2:weights=none,rowsum=input,tile=64"}
@@ -72,10 +72,10 @@ def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
     match = re.fullmatch(r"(ones|kbit)(\d)", base)
     if match:
         precision = f"fa2:weights=e8m{match[2]}" + ("@ones" if match[1] == "ones" else "")
-    elif base in PLACEMENTS:
-        precision = PLACEMENTS[base]
+    elif base in ARMS:
+        precision = ARMS[base]
     else:
-        raise ValueError(f"unknown arm {arm!r}: use {', '.join(PLACEMENTS)}, onesK or kbitK "
+        raise ValueError(f"unknown arm {arm!r}: use {', '.join(ARMS)}, onesK or kbitK "
                          "(K = 1..9 significand bits), optionally with '-consistent', then '-fix'")
     if consistent:
         precision = replace(Precision.parse(precision), norm="rounded")
@@ -88,7 +88,7 @@ def arm_of(spec: AttentionSpec | str) -> str:
     spec = AttentionSpec.parse(spec)
     if spec.fix not in (None, FIX) or spec.backend not in FIX_BACKENDS:
         raise ValueError(f"no explode arm runs {str(spec)!r}")
-    bases = [*PLACEMENTS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
+    bases = [*ARMS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
     bases += [b + CONSISTENT for b in bases]
     base = next((b for b in bases if arm_spec(b, spec.backend) == spec.with_fix(None)), None)
     if base is None:
