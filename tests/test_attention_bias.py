@@ -155,7 +155,8 @@ def test_failed_checks_are_rerun_with_sdpa():
 
 def test_gpu_suite_correctness_and_fuzz_run_on_cpu(tmp_path):
     """The GPU suite's correctness and fuzz sections at toy sizes, through Triton's interpreter (real numbers
-    need a GPU; its bias section and the benchmark run in tests/test_rerun.py, through chapter 2's re-run)."""
+    need a GPU; its bias section and the benchmark run in tests/test_remeasure.py, through chapter 2's
+    re-measurement)."""
     from lowprec.cli import main as lowprec_main
 
     assert lowprec_main(["measure", "suite", "--out", str(tmp_path), "--smoke", "--sections",
