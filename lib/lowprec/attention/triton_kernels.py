@@ -90,6 +90,16 @@ def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.cons
 
 
 @triton.jit
+def _program(H, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block and head: (the block's first row, its rows (BLOCK,), the head dim's offsets
+    (BLOCK_D,), bh, b, h). B*H is folded over the grid's y and z, so in the fold's last row of programs bh
+    may reach B*H: the caller returns then."""
+    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    start = tl.program_id(0) * BLOCK
+    return start, start + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), bh, bh // H, bh % H
+
+
+@triton.jit
 def _head(b, h, strides):
     """Element offset (int64) of head h of batch b for strides (batch, head, seq)."""
     return b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[1]
@@ -206,19 +216,14 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
          NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr):
     """Forward of one query block of one query head: key tiles without masks first, then the tiles that need
     one. sq, sk, sv, so: (batch, head, seq) strides; the head dim is contiguous."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    m0, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
+    if bh >= BH:
         return
-    b = bh // H
-    h = bh % H
     Q, O = Q + _head(b, h, sq), O + _head(b, h, so)
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)  # the group's key/value head
     offset = N_K - N_Q  # causal: row i sees keys j <= i + offset
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     q = _load(Q, offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
-    full_end, hi = _key_range(pid_m * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (BLOCK_M,) running max (the shift)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # (BLOCK_M,) running row sum
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # (BLOCK_M, BLOCK_D) running output
@@ -269,14 +274,9 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
 @triton.jit(do_not_specialize=["N", "H", "BH"])
 def _delta(O, DO, DELTA, so, sdo, N, H, BH, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), fp32 products and sum, O as stored."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    _, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
+    if bh >= BH:
         return
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     o = _load(O + _head(b, h, so), offs_m, offs_d, N, so[2], D, False).to(tl.float32)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N, sdo[2], D, False).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
@@ -320,16 +320,9 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
     that read it (GROUPED: GROUP > 1; else the one head, with no loop over heads) in increasing order, each
     over its query blocks in increasing order (diagonal ones masked, then unmasked ones, then the tail beyond
     the last whole block)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H_kv folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    start_n, offs_n, offs_d, bh, b, kvh = _program(H // GROUP, BLOCK_N, BLOCK_D)  # bh: batch x key/value head
+    if bh >= BH:
         return
-    h_kv = H // GROUP
-    b = bh // h_kv
-    kvh = bh % h_kv
-    start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     k = _load(K + _head(b, kvh, sk), offs_n, offs_d, N_K, sk[2], D, False)  # (BLOCK_N, BLOCK_D)
     v = _load(V + _head(b, kvh, sv), offs_n, offs_d, N_K, sv[2], D, False)  # (BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -385,22 +378,17 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, B
         IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """dQ of one query block of one query head: key tiles in increasing order, unmasked ones first (no
     atomics)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    m0, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
+    if bh >= BH:
         return
-    b = bh // H
-    h = bh % H
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)
     offset = N_K - N_Q
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     q = _load(Q + _head(b, h, sq), offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N_Q, sdo[2], D, False)  # (BLOCK_M, BLOCK_D)
     lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
     delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_end, hi = _key_range(pid_m * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, full_end, BLOCK_N):
         dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
                       D, BLOCK_N, False, CAUSAL, IEEE, C_SCORES)
