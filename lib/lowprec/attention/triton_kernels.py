@@ -1,45 +1,11 @@
-"""The `@triton.jit` kernels of `flash_attention`: FlashAttention-2 forward and backward with lowprec's
-rounding points and Fix. Launch, autotune and autograd are in flash.py; the rounding points, the Fix's shift
-and the exp / log / dot helpers, each a mirror of its torch function, in triton_rounding.py.
+"""The `@triton.jit` kernels of `flash_attention`: FlashAttention-2 forward (`_fwd`) and backward (`_delta`,
+`_dkdv`, `_dq`) with lowprec's rounding points and Fix.
 
-Design
-- Forward (`_fwd`): one program per (query block of BLOCK_M rows, batch*head). It loops over key/value tiles
-  of BLOCK_N columns in increasing order (causal: only tiles holding a key <= the block's last query), keeps
-  m, l and the output accumulator in fp32 registers, and performs the op sequence of precision.py
-  (`_fwd_step`) with each rounding point as a call to `_round` with its code from the constexpr tuple CODES:
-  fa2 only casts P̄ to the input dtype before the P̄V dot and the output when it is stored. With the Fix
-  (constexpr FIX: 1 = ties per tile, 2 = per whole row, which adds a first pass computing each row's top two
-  scores) the row shift follows `_fix_shift`, the mirror of fix.fix_shift; the Fix's numbers come as one
-  runtime tuple `fix` = (beta, tol, min_gap, max_gap) (tol is also the counters' near-tie window). Per-row
-  int32 counters (P̄ == 1 entries, tie tiles, near-tie tiles, Fix triggers, fallbacks; the tuple `counts`,
-  in STAT_NAMES order) are written when WITH_STATS.
-- Backward: `_delta` (delta = rowsum(dO * O) from the stored O), `_dkdv` (one program per key block,
-  looping over query blocks in increasing order) and `_dq` (one program per query block, looping over key
-  tiles in increasing order): dQ is its own loop, so there are no atomics and the result is deterministic;
-  dK, dV and dQ accumulate in fp32 and are stored in the input dtype. P and dS are cast to the input dtype
-  before their dots (FlashAttention-2); fp32 inputs use IEEE fp32 dots (no TF32).
-- Any sequence lengths Nq, Nk (rows/columns beyond them are masked), causal masks aligned bottom-right
-  (query i sees keys j <= i + Nk - Nq; a row that sees no key keeps m = -inf, l = 0 and stores o = 0,
-  lse = +inf, so its backward P is 0), grouped-query attention (query head h reads key/value head
-  h // GROUP; `_dkdv` runs per key/value head and sums its GROUP query heads in registers, no atomics and no
-  expanded copies), head dims 16..256 (padded to a power of two, BLOCK_D, with masked loads), bf16 / fp16 /
-  fp32 inputs, any (batch, head, seq) strides with a contiguous head dim (each tensor's strides are one
-  tuple argument; a row offset within a head is int32, a head's base int64). Each loop runs first over the
-  tiles that need no mask, then over those that do (MASK, a constexpr of the step functions); the tiles
-  without a mask also load their rows without a row mask (`_load`'s CHECK_ROWS).
-- Arithmetic: everything except loads, stores, casts and tl.dot operands is fp32; P = exp(s - m) is
-  exp2(s * log2(e) - m * log2(e)) (`_exp_sub`: FlashAttention-2's form, one FMA and one ex2 per score on a
-  GPU; s == m still gives exactly 1) wherever the weights are rounded below fp32, natural exp where they
-  stay fp32 (the forward's P̄ with weights=none or fp32 inputs, the backward's P with fp32 inputs). The op
-  order is the emulator's, op for op: under TRITON_INTERPRET=1 (with interpreter.py's patch) the kernels are
-  bit-identical to emulated_attention, so any reordering here breaks tests/test_flash_kernel.py.
-- Cost of the Fix (tie="tile"): per score one compare that yields 1.0 / 0.0 and one fp32 add (the tie count),
-  per row a few selects; the counters are computed and stored only when WITH_STATS.
-- The kernels do not specialise on N_Q, N_K, H, GROUP or B*H (do_not_specialize; Triton would compile a new
-  variant for a value of 1 or a multiple of 16), so one compiled variant serves every sequence length, head
-  count and group size; `_dkdv` alone has two (constexpr GROUPED): with GROUP = 1 its loop over the group's
-  query heads is one constant iteration, as when Triton specialised GROUP = 1. NORM (Precision.norm: 0
-  "exact", 1 "rounded") moves the row-sum update after the weights rounding, as precision.py's op order says.
+Each loop performs the op order of precision.py, a rounding point being a call to `_round` with its code from
+the constexpr tuple CODES; the mirrors of the torch functions are in triton_rounding.py, the launch in
+flash.py. Under TRITON_INTERPRET=1 the kernels are bit-identical to emulated_attention, so any reordering here
+breaks tests/test_flash_kernel.py. Programs, masks, arithmetic and the cost of the Fix: the book's appendix
+"Methods and record formats".
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """`lowprec experiment explode`: train several attention arms x seeds side by side and record who explodes.
 
-One training process (`lowprec train`) per (arm, seed), spread over the visible GPUs (several processes per
-GPU share it), all with the same config, data and, per seed, the same initialisation and batch order. After
-`--minutes` every process still running gets SIGTERM, writes its checkpoint and ends "interrupted"; a run that
-explodes stops itself ("diverged": NaN, or a loss above diverge_factor x its minimum since warmup). The
-harness then writes `<out>/experiment.json`: the plan, the command, provenance, and per run its status,
-explosion step, tokens, time and the paper's signature (`signature`). Run records are `<out>/<arm>-s<seed>/`.
-
-Arms are short names for attention specs (`arm_spec`):
-  fa2            our Triton kernel, production rounding placement (P̄ and O in bf16)
-  paper64        the authors' all-bf16 placement (bf16 S, P̄, l, P̄V, running O) at 64-wide tiles, the widest
-                 our GPU kernel runs (the authors' code uses 512; Precision "paper" keeps 512). Records made
-                 before this name existed call this arm "paper".
-  fp32pv         P̄ not rounded: the P̄V product in fp32 (the paper's "P̄V in high precision" control)
-  paper64-fp32pv paper64 with P̄, the P̄V result and the running O unrounded (S, l and the stored O stay
-                 bf16): the paper's biased rounding removed, its other bf16 points kept (records before the
-                 rename: "paper-fp32pv")
-  bf16scores     paper64-fp32pv with the row sum in fp32: of the all-bf16 points only the scores (and the
-                 stored O) stay bf16, at 64-wide tiles
-  bf16rowsum     paper64-fp32pv with the scores in fp32: only the row sum (rounded after every 64-key tile)
-                 and the stored O stay bf16
-  onesK          fa2, but P̄ within 2^-(K+2) of 1 rounds to 1.0 (Precision "fa2:weights=e8mK@ones"): the
-                 paper's error, P̄ = 1 for near-maximal scores, with a wider window and nothing else
-  kbitK          fa2 with every P̄ rounded to K significand bits ("fa2:weights=e8mK")
-  <arm>-consistent  the same with l summed from the rounded P̄ that enter P̄V (norm=rounded; "fa2-consistent"
-                 is Precision "consistent"), chapter 5's rounded-weight normalisation
-  <arm>-fix      the same with the paper's Fix(beta=2) (its tie tolerance follows P̄'s format); last, e.g.
-                 "kbit3-consistent-fix"
-`--backend emulated` swaps the Triton kernel for the pure-PyTorch emulator (CPU tests).
+One `lowprec train` process per (arm, seed), spread over the visible GPUs, all with the same config, data and,
+per seed, the same initialisation and batch order; after `--minutes` the runs still going are stopped (each
+checkpoints). `<out>/experiment.json` holds the plan and, per run, its status, explosion step and signature;
+run records are `<out>/<arm>-s<seed>/`. An arm is a short name for an attention spec (`arm_spec`, `ARMS`):
+fa2, paper64, fp32pv, paper64-fp32pv, bf16scores, bf16rowsum, onesK, kbitK, each optionally with
+"-consistent", then "-fix"; `--backend emulated` runs the emulator instead of the kernel. The arms: the book's
+appendix "Methods and record formats".
 """
 
 from __future__ import annotations

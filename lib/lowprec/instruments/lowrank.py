@@ -54,7 +54,7 @@ def telemetry_array(run: Run, name: str) -> tuple[list[int], torch.Tensor]:
 
 @dataclass(frozen=True)
 class RunSimilarity:
-    """The three similarities of one run over a window of its telemetry samples (module docstring).
+    """The three similarities of one run over a window of its telemetry samples (the appendix defines them).
 
     mean: (layers, 3) mean over heads and samples of SIMILARITIES, in that order; abs_delta: (layers,) mean of
     |delta_term_cos_prev|; head_t: (layers, heads) t of delta_term_cos_prev over the samples (ErrorStats);
@@ -100,7 +100,7 @@ def run_similarity(run: Run, start: float = 0.5, before: int | None = None) -> R
 def key_shares(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor,
                weights: torch.Tensor | None = None) -> torch.Tensor:
     """(heads, N): the share of each key position in M = Σ_T w[T] (PK)[T]^T X[T], summed over the batch:
-    ⟨K[j]^T Σ_T w[T] P[T, j] X[T], M⟩ / ‖M‖² (module docstring); the shares of a head add up to 1.
+    ⟨K[j]^T Σ_T w[T] P[T, j] X[T], M⟩ / ‖M‖²; the shares of a head add up to 1.
 
     p: (B, H, T, N), k: (B, H, N, D), x: (B, T, C), weights: (B, H, T) (None: all 1, the mean term)."""
     p64, x64 = p.double(), x.double()
