@@ -175,6 +175,8 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     return m_new, l_i, acc, (n_ones, n_ties, n_near, n_trig, n_fallback)
 
 
+# Sizes are runtime values (do_not_specialize): Triton would otherwise compile a new variant for a value of 1
+# or a multiple of 16; so one compiled variant serves every sequence length, head count and group size.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH", "seed"])
 def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, fix, seed, D: tl.constexpr,
          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
