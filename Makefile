@@ -35,7 +35,7 @@ book: setup
 # Two workers, one file at a time each, in collection order; tests/conftest.py puts tests/test_book.py first, so
 # that the site build (the longest single job: it executes every chapter) starts at once on one worker. One
 # thread per process: the tensors are small, and two workers plus the build's chapters already fill two cores
-# (torch's default of one thread per core made them wait on each other: a 6 s test took 28 s).
+# (with torch's default of one thread per core they would wait on each other).
 test: setup
 	$(PY) -m ruff check lib tests book _ext
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile \

@@ -316,7 +316,7 @@ def test_value_errors():
 
 
 def test_tile_sizes_must_be_positive_ints():
-    """Only None means "the default tile"; 0 used to mean it too, silently."""
+    """Only None means "the default tile": 0, a bool or a negative size is refused."""
     q, k, v = rand_qkv((1, 2, 8, 16))
     for name, value in (("block_m", 0), ("block_n", 0), ("block_m", True), ("block_n", -16)):
         with pytest.raises(ValueError, match=f"{name} must be a positive int"):

@@ -27,7 +27,7 @@ from lowprec.instruments.bias import (
     format_table,
     measure_bias,
 )
-from lowprec.instruments.explode import PLACEMENTS
+from lowprec.instruments.explode import ARMS
 
 ROWS = 20_480
 
@@ -155,7 +155,8 @@ def test_failed_checks_are_rerun_with_sdpa():
 
 def test_gpu_suite_correctness_and_fuzz_run_on_cpu(tmp_path):
     """The GPU suite's correctness and fuzz sections at toy sizes, through Triton's interpreter (real numbers
-    need a GPU; its bias section and the benchmark run in tests/test_rerun.py, through chapter 2's re-run)."""
+    need a GPU; its bias section and the benchmark run in tests/test_remeasure.py, through chapter 2's
+    re-measurement)."""
     from lowprec.cli import main as lowprec_main
 
     assert lowprec_main(["measure", "suite", "--out", str(tmp_path), "--smoke", "--sections",
@@ -169,7 +170,7 @@ def test_bf16_row_sum_swamps_the_tiles_after_a_dominant_key():
     """A running row sum kept in bf16 rounds away (or up by a whole ulp) the small sums of the tiles after a
     dominant key: O's scale is off by percents, one sign per concentration; not with the key in the last tile,
     and not with fa2's fp32 row sum."""
-    rowsum = functools.partial(emulated_attention, causal=False, precision=PLACEMENTS["bf16rowsum"])
+    rowsum = functools.partial(emulated_attention, causal=False, precision=ARMS["bf16rowsum"])
     fa2 = functools.partial(emulated_attention, causal=False, precision="fa2")
     for score, sign in ((10.0, -1), (11.0, 1)):
         first = dominant_key_scale_error(rowsum, score, position=0, heads=2)

@@ -26,7 +26,7 @@ from lowprec.instruments.bias_noise import (
     r_alignment,
     run_batch,
 )
-from lowprec.instruments.explode import PLACEMENTS
+from lowprec.instruments.explode import ARMS
 from lowprec.instruments.lowrank import key_shares
 from lowprec.model import GPT
 from lowprec.runs import load_run
@@ -137,7 +137,7 @@ def test_norm_errors_see_a_swamped_row_sum_and_fa2s_mismatch() -> None:
     round up to 1 while l keeps the unrounded weights (O too large); nothing rounded, or l summed from the
     rounded weights (consistent): nothing, or fp32 noise."""
     def errors(arm: str, q: torch.Tensor, k: torch.Tensor) -> list[dict]:
-        return norm_errors(q, k, AttentionSpec.parse(f"emulated/precision={PLACEMENTS.get(arm, arm)}"))
+        return norm_errors(q, k, AttentionSpec.parse(f"emulated/precision={ARMS.get(arm, arm)}"))
 
     swamped = planted_keys(4, 1024, first=10.0)  # key 0 holds ~0.93 of a full row's weight
     assert all(h["norm_error"] < -0.005 and h["norm_error_t"] < -10 for h in errors("bf16rowsum", *swamped))
@@ -236,7 +236,8 @@ def test_command_on_a_tiny_run(tmp_path, capsys) -> None:
 def test_criterion_predicts_the_positive_control() -> None:
     """Where chapter 4's control drifts (fa2 without the Fix; the paper placement with it), the criterion sees
     a bias along the control's R that beats the noise within a few steps; where it does not, no bias."""
-    from lowprec.instruments.positive_control import ControlConfig, criterion_probe
+    from lowprec.instruments.bias_noise import criterion_probe
+    from lowprec.instruments.control import ControlConfig
 
     cfg = ControlConfig()
     lowp = criterion_probe(cfg, "fa2", "lowp", batches=40)

@@ -15,6 +15,7 @@ from lowprec.cli import main as lowprec_main
 from lowprec.formats import FORMATS, round_to
 from lowprec.instruments import cures as cures_module
 from lowprec.instruments.bias import CASES, bias_of
+from lowprec.instruments.control import ControlConfig, train_treatment
 from lowprec.instruments.cures import (
     CURES,
     FAMILIES,
@@ -26,10 +27,9 @@ from lowprec.instruments.cures import (
     failure_map,
     pinned,
     row_errors,
-    run_cure,
     top_weight_error,
+    train_cure,
 )
-from lowprec.instruments.positive_control import ControlConfig, run_arm
 
 BF16 = FORMATS["bf16"]
 
@@ -126,23 +126,24 @@ def test_consistent_removes_the_near_tie_bias():
     assert not biased(result["consistent"])
 
 
-def test_run_cure_is_an_arm_of_the_positive_control():
-    """A cure trains on the arms' init and data: the fa2 cure is the lowp arm; stochastic rounding is
-    reproducible (its own seeded bits) and departs from rounding to nearest."""
+def test_train_cure_is_a_run_of_the_positive_control():
+    """A cure trains on the treatments' init and data: the fa2 cure is fa2's lowp treatment; stochastic
+    rounding is reproducible (its own seeded bits) and departs from rounding to nearest."""
     cfg = ControlConfig(steps=6)
-    assert run_cure(cfg, Cure("fa2"))["series"]["w_r"] == run_arm(cfg, "fa2", "lowp")["series"]["w_r"]
+    lowp = train_treatment(cfg, "fa2", "lowp")["series"]["w_r"]
+    assert train_cure(cfg, Cure("fa2"))["series"]["w_r"] == lowp
     stochastic = Cure("stochastic", "fa2:weights=bf16@stochastic")
-    first, again = run_cure(cfg, stochastic)["series"]["w_r"], run_cure(cfg, stochastic)["series"]["w_r"]
-    assert first == again and first != run_arm(cfg, "fa2", "lowp")["series"]["w_r"]
+    first, again = train_cure(cfg, stochastic)["series"]["w_r"], train_cure(cfg, stochastic)["series"]["w_r"]
+    assert first == again and first != lowp
 
 
-def test_run_cure_runs_any_precision():
+def test_train_cure_runs_any_precision():
     cfg = ControlConfig(steps=3)
-    s = run_cure(cfg, Cure("stochastic", "fa2:weights=bf16@stochastic"))
+    s = train_cure(cfg, Cure("stochastic", "fa2:weights=bf16@stochastic"))
     assert len(s["series"]["w_r"]) == 3 and s["summary"]["collapse_step"] is None
     assert Precision.parse("consistent").norm == "rounded"
     with pytest.raises(ValueError):
-        run_cure(cfg, Cure("fa2"), optimizer="lion")
+        train_cure(cfg, Cure("fa2"), optimizer="lion")
 
 
 @pytest.mark.skipif(not INTERPRET, reason="bit identity holds under the Triton interpreter")

@@ -686,7 +686,7 @@ def test_slices_must_be_known_and_adjacent(tmp_path):
 def test_repetition_of_an_older_data_dir(tmp_path):
     data = sample_data("bytes")
     manifest = dict(data.manifest)
-    del manifest["slices"]  # dirs made before slices existed read as one English slice
+    del manifest["slices"]  # a manifest without slices reads as one English slice
     old = tmp_path / "old"
     old.mkdir()
     for f in ("train.bin", "val.bin"):

@@ -16,8 +16,9 @@ from lowprec.attention.fix import Fix
 from lowprec.attention.precision import POINTS, Rounding
 from lowprec.formats import FORMATS, round_to
 from lowprec.instruments.bias import CASES, UNIQUE_GAP, Rows
+from lowprec.instruments.control import ControlConfig
 from lowprec.instruments.cures import SCALE
-from lowprec.instruments.positive_control import ControlConfig, run_control
+from lowprec.instruments.positive_control import train_grid
 from lowprec.runs import load_run
 from lowprec.viz.control_explorer import cached_arm, control_twin
 from lowprec.viz.precision_explorer import (
@@ -223,8 +224,8 @@ def test_control_twin() -> None:
     check_twin(fig, menu_entries=2, slider_steps=2)
     # longer runs of a configuration stand in for training at its V mean, and only there: the same figure
     default, edge = ControlConfig(steps=6), ControlConfig(steps=6, v_mean=-1.0)
-    longer = run_control(default, ("fa2",), ("lowp", "fix"), ("adam", "sgd"), False)["runs"]
-    at_edge = run_control(edge, ("fa2",), ("fix",), ("sgd",), False)["runs"]
+    longer = train_grid(default, ("fa2",), ("lowp", "fix"), ("adam", "sgd"), False)["runs"]
+    at_edge = train_grid(edge, ("fa2",), ("fix",), ("sgd",), False)["runs"]
     other = {"fa2/adam/fix": longer["fa2/adam/fix"]}  # stored under a config the twin does not show
     cached_arm.cache_clear()
     reused = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4,

@@ -134,7 +134,8 @@ def test_a_second_writer_is_refused_naming_the_live_process(warm, base, tmp_path
 
 
 def test_a_config_that_cannot_run_is_refused_before_the_folder_exists(warm, tmp_path):
-    """block_size beyond the validation split used to fail at step 0, leaving a "running" record in --out."""
+    """A block_size beyond the validation split is refused before --out holds a record (not at step 0, leaving
+    a "running" one)."""
     run = tmp_path / "run"
     args = ["train", "--config", "smoke-cpu", "--out", run, "--set", "block_size=50000", "--set", "n_embd=8",
             "--set", "n_head=1", "--set", "telemetry_interval=0"]

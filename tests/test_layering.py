@@ -1,4 +1,5 @@
-"""The library's layers (lib/lowprec/README.md): each part imports only from the parts below it."""
+"""The library's layers (lib/lowprec/README.md): each part imports only from the parts below it, and no module
+imports, however indirectly, one that imports it back."""
 
 from __future__ import annotations
 
@@ -62,6 +63,54 @@ def test_each_part_imports_only_the_parts_below_it(path: Path) -> None:
     assert own in ALLOWED, f"{own}: a new part of lib/lowprec needs a row in ALLOWED and in the README"
     bad = sorted(m for m in lowprec_imports(path) if part(m) != own and part(m) not in ALLOWED[own])
     assert not bad, f"{path.relative_to(LIB)} imports {bad}; {own} may import only {sorted(ALLOWED[own])}"
+
+
+def module_name(path: Path) -> str:
+    """lowprec.attention.flash for lib/lowprec/attention/flash.py; a package by its name (its __init__.py)."""
+    parts = path.relative_to(LIB.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in LIB.rglob("*.py")}
+
+
+def module_imports(path: Path) -> set[str]:
+    """The lowprec modules a file imports, at the top or inside functions: `from lowprec.x import y` names
+    lowprec.x.y where that is a module, else lowprec.x."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in MODULES:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                      for a in node.names}
+    return found - {module_name(path)}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (module -> the modules it imports) as [a, b, ..., a], or None."""
+    done: set[str] = set()
+
+    def visit(stack: list[str]) -> list[str] | None:
+        for imported in sorted(graph[stack[-1]]):
+            if imported in stack:
+                return [*stack[stack.index(imported):], imported]
+            if imported not in done and (cycle := visit([*stack, imported])):
+                return cycle
+        done.add(stack[-1])
+        return None
+
+    return next((cycle for m in sorted(graph) if m not in done and (cycle := visit([m]))), None)
+
+
+def test_find_cycle_finds_a_circle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_circle() -> None:
+    cycle = find_cycle({name: module_imports(path) for name, path in MODULES.items()})
+    assert cycle is None, f"import circle {' -> '.join(cycle)}: move what both need into a module below them"
 
 
 def test_nothing_imports_the_cli() -> None:

@@ -11,7 +11,7 @@ import torch
 from lowprec.attention import reference_attention
 from lowprec.instruments import lowrank
 from lowprec.instruments.bias import CASES, adversarial_inputs
-from lowprec.instruments.positive_control import ControlConfig, make_problem, run_arm
+from lowprec.instruments.control import ControlConfig, make_problem, train_treatment
 from lowprec.runs import RunWriter, load_run
 
 
@@ -96,7 +96,7 @@ def test_control_replay_is_the_control_run_and_its_error_points_along_minus_r():
     cfg = ControlConfig(steps=12)
     prob = make_problem(cfg)
     weights = lowrank.control_weights(cfg, at=(0, 6, 12))
-    recorded = run_arm(cfg, "fa2", "lowp")["series"]["w_r"]
+    recorded = train_treatment(cfg, "fa2", "lowp")["series"]["w_r"]
     assert torch.equal(weights[0], prob.w0)
     for step in (6, 12):
         assert float(((weights[step] - prob.w0) * prob.r).sum()) == recorded[step - 1]
@@ -106,7 +106,7 @@ def test_control_replay_is_the_control_run_and_its_error_points_along_minus_r():
     assert all(float((e * prob.r).sum()) < 0 for e in error)  # along -R: descent pushes W_Q along +R
     assert (terms["delta_err"].sum((1, 2, 3)) > 0).all()  # the one-signed δ error behind it
     with pytest.raises(ValueError, match="reference"):
-        lowrank.control_terms(cfg, prob.w0, arm="reference", batches=1)
+        lowrank.control_terms(cfg, prob.w0, treatment="reference", batches=1)
 
 
 def test_key_errors_add_up_to_the_kernel_error_and_jump_at_rounded_ones():

@@ -1,6 +1,6 @@
-"""The positive control (lowprec.instruments.positive_control): with fa2 rounding and no fix the δ error is
-one-signed and W_Q drifts along R until the attention collapses onto the sinks; with the fix it tracks the
-float64 reference. Seeded; ~10 s on one core."""
+"""The positive control (lowprec.instruments.control, positive_control): with fa2 rounding and no fix the δ
+error is one-signed and W_Q drifts along R until the attention collapses onto the sinks; with the fix it
+tracks the float64 reference. Seeded; ~10 s on one core."""
 
 from __future__ import annotations
 
@@ -8,24 +8,17 @@ import json
 
 import pytest
 from lowprec.cli import main
-from lowprec.instruments.positive_control import (
-    OTHER_BUILD_TOL,
-    ControlConfig,
-    agrees,
-    bias_probe,
-    criterion_probe,
-    delta_identity,
-    recorded_control,
-    run_control,
-    train_run,
-)
+from lowprec.instruments.bias_noise import criterion_probe
+from lowprec.instruments.control import ControlConfig, bias_probe, delta_identity
+from lowprec.instruments.cures import train_key
+from lowprec.instruments.positive_control import OTHER_BUILD_TOL, agrees, recorded_control, train_grid
 
 STEPS = 150
 
 
 @pytest.fixture(scope="module")
 def fa2_adam():
-    result = run_control(ControlConfig(steps=STEPS), ("fa2",), ("lowp", "fix", "reference"), ("adam",), False)
+    result = train_grid(ControlConfig(steps=STEPS), ("fa2",), ("lowp", "fix", "reference"), ("adam",), False)
     return {key.split("/")[-1]: run["summary"] for key, run in result["runs"].items()}
 
 
@@ -48,7 +41,7 @@ def test_fix_and_reference_do_not_drift(fa2_adam):
     for s in (fix, ref):
         assert abs(s["w_r_final"]) < 0.2 and s["w_norm_growth"] < 1.05
         assert s["content_mass_last"] > 0.8 * s["content_mass_first"] and s["task_lost_last"] < 0.05
-    assert abs(fix["w_r_final"] - ref["w_r_final"]) < 0.15  # the fix arm follows the reference's random walk
+    assert abs(fix["w_r_final"] - ref["w_r_final"]) < 0.15  # the Fix follows the reference's random walk
 
 
 def test_fp32_pv_removes_the_bias():
@@ -60,7 +53,7 @@ def test_adam_eps_slows_the_drift_but_not_the_criterion(fa2_adam):
     """Adam's step is g / (sqrt(v) + eps): an eps far above the gradient's scale (~2e-5 here) divides the
     drift's steps and the noise's alike, so the criterion's verdict stays and the drift shrinks."""
     big = ControlConfig(steps=STEPS, adam_eps=1e-3)
-    drift = run_control(big, ("fa2",), ("lowp",), ("adam",), False)["runs"]["fa2/adam/lowp"]["summary"]
+    drift = train_grid(big, ("fa2",), ("lowp",), ("adam",), False)["runs"]["fa2/adam/lowp"]["summary"]
     assert 0 < drift["w_r_final"] < 0.2 * fa2_adam["lowp"]["w_r_final"]
     probes = [criterion_probe(cfg, "fa2", "lowp", batches=20) for cfg in (ControlConfig(), big)]
     assert all(p["biased"] for p in probes) and probes[1]["sqrt_v_median"] < 1e-3 / 10
@@ -82,9 +75,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="adam_eps"):
         ControlConfig(adam_eps=0.0)
     with pytest.raises(ValueError, match="placement"):
-        run_control(ControlConfig(steps=1), ("bf16",), ("lowp",), ("adam",), False)
+        train_grid(ControlConfig(steps=1), ("bf16",), ("lowp",), ("adam",), False)
     with pytest.raises(ValueError, match="optimizer"):
-        run_control(ControlConfig(steps=1), ("fa2",), ("lowp",), ("lion",), False)
+        train_grid(ControlConfig(steps=1), ("fa2",), ("lowp",), ("lion",), False)
 
 
 def test_cli_writes_record(tmp_path, capsys):
@@ -96,7 +89,7 @@ def test_cli_writes_record(tmp_path, capsys):
         "3",
         "--placements",
         "fa2",
-        "--arms",
+        "--treatments",
         "lowp,reference",
     ]
     assert main([*argv, "--optimizers", "adam", "--out", str(out)]) == 0
@@ -105,14 +98,15 @@ def test_cli_writes_record(tmp_path, capsys):
     assert set(record["summary"]) == {"fa2/adam/lowp", "fp64/adam/reference"}
     assert "fa2/adam/lowp" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["experiment", "positive-control", "--arms", "lowp,nofix"])
+        main(["experiment", "positive-control", "--treatments", "lowp,nofix"])
+    assert main([*argv[:-2], "--arms", "lowp", "--optimizers", "adam"]) == 0, "as the records' commands say"
 
 
 def test_recorded_control_checks_its_live_run(tmp_path):
     """A chapter reads a recorded control and re-trains one run of it: the record's runs come back with that
     run fresh; a record of another configuration, without series, or stale is a ValueError naming it."""
     out = tmp_path / "pc.json"
-    argv = ["experiment", "positive-control", "--steps", "20", "--placements", "fa2", "--arms",
+    argv = ["experiment", "positive-control", "--steps", "20", "--placements", "fa2", "--treatments",
             "lowp,reference", "--optimizers", "adam", "--out", str(out)]
     assert main([*argv, "--series"]) == 0
     cfg = ControlConfig(steps=20)
@@ -168,4 +162,4 @@ def test_cures_record_and_its_live_run(tmp_path):
     runs = recorded_control(out, ControlConfig(steps=3), "cure/adam/consistent")
     assert len(runs) == len(CURES)
     with pytest.raises(ValueError, match="no cure named 'lion'"):
-        train_run(ControlConfig(steps=3), "cure/adam/lion")
+        train_key(ControlConfig(steps=3), "cure/adam/lion")

@@ -21,7 +21,8 @@ def write_queue(folder, runs, horizon=12, estimate=1.0):
 
 
 def test_study_makes_every_planned_run_once_and_reports(tmp_path, capsys):
-    runs = [{"arm": "model-fp32", "seed": 1}, {"arm": "attn-fp32", "seed": 1}, {"arm": "model-fp32", "seed": 2}]
+    runs = [{"arm": "model-fp32", "seed": 1}, {"arm": "attn-fp32", "seed": 1},
+            {"arm": "model-fp32", "seed": 2}]
     queue = write_queue(tmp_path / "home", runs)
     out = tmp_path / "out"
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5",
@@ -46,7 +47,8 @@ def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):
     runs = [{"arm": "model-fp32", "seed": 1}]
     queue = write_queue(tmp_path / "home", runs, estimate=3600)
     out = tmp_path / "out"
-    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5"]) == 0
+    study = ["experiment", "study", "--queue", str(queue), "--out", str(out)]
+    assert lowprec_main([*study, "--minutes", "5"]) == 0
     assert not (out / "model-fp32-s1").exists()  # an hour's run does not start in five minutes
     # a record cut short (a budget ended it) has no outcome: it stays planned and starts over
     assert lowprec_main(["train", "--config", "smoke-cpu", "--out", str(out / "model-fp32-s1"),
@@ -56,7 +58,7 @@ def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):
     capsys.readouterr()
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--status"]) == 0
     assert "partial" in capsys.readouterr().out
-    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5"]) == 0
+    assert lowprec_main([*study, "--minutes", "5"]) == 0
     assert load_run(out / "model-fp32-s1").summary["steps"] == 12
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from lowprec.analysis import (
     Outcome,
     event_times,
@@ -72,8 +71,8 @@ def test_outcome_finds_the_first_layer_past_the_threshold() -> None:
 
 
 def test_survival_table_counts_intervals_and_tests() -> None:
-    ran = [Outcome(1000 + 100 * i, 1, 2000 + 100 * i if i % 2 else None, 8000 if i % 2 == 0 else 2000 + 100 * i)
-           for i in range(6)]
+    ran = [Outcome(1000 + 100 * i, 1, 2000 + 100 * i if i % 2 else None,
+                   8000 if i % 2 == 0 else 2000 + 100 * i) for i in range(6)]
     calm = [Outcome(None, None, None, 8000) for _ in range(6)]
     table = survival_table({"fa2": ran, "model-fp32": calm}, against=("fa2", "model-fp32"))
     assert table["fa2"]["runs"] == 6 and table["fa2"]["runaway"]["events"] == 6

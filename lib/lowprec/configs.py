@@ -1,13 +1,8 @@
-"""Training configs: the `TrainConfig` dataclass, the named configs and `--set key=value` overrides.
+"""Training configs: `TrainConfig`, the named configs (`CONFIGS`) and `--set key=value` overrides.
 
-Named configs (`CONFIGS`):
-- `smoke-cpu`: 2 layers, d=64, byte-level sample data, 60 steps: seconds on a CPU (tests, the book).
-- `gpu-6l`: 6L/6H/384, ctx 1024, GPT-2 BPE (the default prepared data folder): the probe's small model.
-- `gpu-12l-narrow`: 12L/6H/384: the paper's depth at small width.
-- `paper-gpt2-small`: the paper's recipe exactly: 12L/12H/768, ctx 1024, vocab 50304, AdamW(0.9, 0.95), wd 0,
-  LR 1e-3 with 2000 warmup steps, cosine to 1e-5 over 600000 steps, clip 1.0, bf16 autocast,
-  32 x 16 x 1024 = 524,288 tokens per step (micro-batch 32, 16 micro-batches per step shared by the processes:
-  run it with `torchrun --nproc_per_node=N` for N in 1, 2, 4, 8, 16).
+`smoke-cpu` trains in seconds on a CPU (tests, the book); `gpu-6l` (6L/6H/384, GPT-2 BPE) and
+`gpu-12l-narrow` (12L/6H/384) are the explosion hunt's models; `paper-gpt2-small` is the paper's recipe
+(12L/12H/768, 524,288 tokens per step; run it under `torchrun --nproc_per_node=N`).
 """
 
 from __future__ import annotations

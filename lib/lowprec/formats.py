@@ -1,20 +1,9 @@
 """Binary floating-point formats and exact rounding into them, done with integer operations on fp32 bits.
 
 `round_to(x, fmt, mode)` rounds a float32 tensor to any binary format that fits inside fp32 (up to 8 exponent
-bits, up to 23 stored significand bits), with IEEE-style subnormals. For the formats torch has as dtypes,
-"nearest" equals torch's own cast bit for bit on every finite input (tests/test_formats.py checks this).
-
-Overflow conventions (what a result beyond the largest finite value becomes):
-
-* IEEE formats (bf16, fp16, fp8_e5m2, tf32, fp32, and any `Format(e, m)`): round-to-nearest overflows to
-  +-inf (exactly when the value rounds, with an unbounded exponent, above the largest finite value);
-  toward_zero never overflows, it gives +-max (IEEE 754 rule); stochastic gives +-inf when it picks the
-  neighbour above the largest finite value.
-* fp8_e4m3 (torch.float8_e4m3fn: no infinities, one NaN pattern per sign, max 448): torch's cast *saturates*:
-  every value above 448 in magnitude, +-inf included, becomes +-448 (464, the would-be tie with the
-  nonexistent 480, goes to 448 too). We do the same in every mode.
-
-NaN inputs stay NaN. `add_trace` explains one rounded addition with exact (Fraction) arithmetic.
+and 23 significand bits), with IEEE subnormals; for torch's own dtypes, "nearest" equals torch's cast bit for
+bit. Overflow follows IEEE (fp8_e4m3 saturates at 448, as torch's cast does): the book's appendix "Methods and
+record formats". `add_trace` explains one rounded addition with exact (Fraction) arithmetic.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """GPT in the nanoGPT shape, with attention chosen per layer and per head.
 
-Pre-LayerNorm blocks, GELU MLP (4x), learned positions, tied input/output embeddings, optional biases, no
-dropout (the paper trains with dropout 0, and no randomness in the forward keeps resume bit-exact). Init
-N(0, 0.02), residual projections (attn.c_proj, mlp.c_proj) N(0, 0.02/sqrt(2 n_layer)).
-
-Attention is an `AttentionSpec` (lowprec.attention.spec), given as a spec or its string
-"backend[/key=value/...]", e.g. "sdpa", "math", "emulated/precision=paper", "triton/precision=fa2/fix=2".
-
-Layers and heads are 0-indexed here: the paper's "layer 2" is index 1 and its heads 1, 7, 8, 9, 11, 12 are
-indices 0, 6, 7, 8, 10, 11. The paper's localisation experiments map to:
-- "flash attention only in layer 2":    attention="math", layer_attention={1: "<flash spec>"}
-- "standard attention only in layer 2": attention="<flash spec>", layer_attention={1: "math"}
-- "high-precision O for some heads":    hp_heads={1: [0, 6, 7, 8, 10, 11]} (those heads run the fp32 math path
-  with autocast off; the others the layer's backend; their outputs are concatenated in head order).
+Pre-LayerNorm blocks, GELU MLP, learned positions, tied embeddings, no dropout. Attention is an
+`AttentionSpec` (or its string) for the model, `layer_attention` overrides it per layer (0-indexed: the
+paper's "layer 2" is index 1) and `hp_heads` runs chosen heads in fp32; how the paper's localisation
+experiments map onto them: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

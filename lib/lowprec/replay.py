@@ -1,25 +1,12 @@
 """`lowprec replay RUN --from STEP --fix on|off`: re-run the last steps of a recorded run from a kept
 checkpoint, with the Fix switched on or off, and compare the loss curves.
 
-The batch of every step is a pure function of (seed, step) (`lowprec.data.sample_batch`), so a checkpoint
-taken before a loss spike is all a replay needs. Train with `--set ckpt_keep=true` (each checkpoint is also
-kept as <ckpt_dir>/ckpt-<step:06d>.pt; its sha256 is checked before a replay starts from it), then
-
     lowprec replay RUN --from 4000 --fix on     # does the Fix keep the steps from 4000 on stable?
     lowprec replay RUN --from 4000 --fix off    # the control: does the spike come back?
 
-A replay trains RUN's recorded config (config.json) with the fix option set to --beta (on) or removed (off)
-in every attention spec whose backend takes one (`GPTConfig.with_fix`), the same LR schedule (lr_decay_iters
-pinned to the original's), checkpoints only at its end (into its own folder), and runs to the last step RUN
-recorded (or --steps / --to). `--set key=value` applies last (device, telemetry_interval, ...; a different
-batch, LR or model shape breaks the comparison). The replay is a fresh record in
-<RUN>/replay-from-<STEP>-fix-<on|off> (--out) whose start event names replay_of and from_step;
-`compare_runs` (records only) goes to <out>/replay.json and is printed.
-
-On CPU a replay with RUN's own setting reproduces its losses bit for bit; on a GPU as far as the kernels are
-deterministic (same device, world size and compile setting as the original). Records round losses to
-`lowprec.runs.SIGNIFICANT` digits, so "identical" in a comparison means identical there. This module imports
-torch only to train, so the book can import `compare_runs` without it.
+RUN must have kept its checkpoints (`--set ckpt_keep=true`); the replay is a fresh record in
+<RUN>/replay-from-<STEP>-fix-<on|off> and `compare_runs` (records only, no torch) writes <out>/replay.json.
+What a replay keeps equal and how exact it is: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Run records: one folder per training run, written incrementally and read back without torch.
 
-A run folder holds
-- `config.json`: {"config": the full config, "provenance": `provenance()` of the start};
-- `metrics.jsonl`: one object per logged step (step, tokens, loss, lr, grad_norm, time_s, tokens_per_s, and on
-  sampled steps `telemetry`: {name: [[per head] per layer]});
-- `events.jsonl`: one object per event ({"event": kind, "step": ..., ...}: start, resumed, checkpoint,
-  divergence, interrupted, finished, ...);
-- `summary.json`: status ("running", "finished", "diverged", "interrupted" or "failed", with the `reason`),
-  `diverged_step` (the step the stop rule fired at; "explosion_step" in older records, read as
-  diverged_step), totals;
-- `writer.lock`: the PID of the process writing the record, which holds an OS lock on it (`RunLock`) from
-  `RunWriter` open to close: a second writer is refused, and a record left "running" by a process that
-  died is told apart from a live one (`run_state`: "killed").
-A finished record's metrics.jsonl may be stored gzip-compressed as `metrics.jsonl.gz` (the committed records
-under results/ are, with `gzip -n9`, so that the tree that travels to a GPU machine stays small): readers
-take either (`metrics_file`); writers refuse such a folder.
-Lines are appended and flushed as they happen, floats rounded to `SIGNIFICANT` digits, so a run killed at any
-moment leaves a readable record but for a last line cut off, which a resume drops. This module must not import
-torch (the book loads records fast); `provenance` asks torch for versions only if the caller already imported
-it.
+`RunWriter` writes config.json, metrics.jsonl, events.jsonl and summary.json under an OS lock (`RunLock`);
+`load_run` reads and checks a folder into a `Run` (metrics.jsonl may be gzip-compressed), `list_runs` finds
+them; `provenance` says where a result came from. This module must not import torch (the book loads records
+fast). The files and every key: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -406,7 +391,7 @@ def _read_run(path: Path, stamp: tuple) -> Run:
                                  f"step {prev['step']} (steps must increase)")
     events = _read_jsonl(path / "events.jsonl", EVENT_KEYS)
     summary = _read_json(path / "summary.json")
-    if "explosion_step" in summary:  # records written before the key was renamed
+    if "explosion_step" in summary:  # the old name of diverged_step
         summary["diverged_step"] = summary.pop("explosion_step")
     if summary.get("status") not in STATUSES:
         raise RunRecordError(f"{path / 'summary.json'}: status must be one of {STATUSES}, "

@@ -1,35 +1,9 @@
 """The paper's signals, per layer and per head, measured on a sampled step without touching the training step.
 
-`Telemetry(model).measure(x, y)` runs one extra eager forward + backward of the (raw, uncompiled) model on a
-few sequences `x` of the current batch, with the current weights, capturing each attention call's input X,
-its q, k, v, its output O (the tensor actually used downstream) and dO = dloss/dO (autograd.grad on O, so
-no parameter .grad is touched and the training run is the same with telemetry on or off). The loss is the
-mean cross-entropy over the sampled tokens, so dO is scaled as for a batch of those sequences. It returns
-{signal: [[value per head] per layer]} with one host sync at the end; nothing runs on other steps.
-
-Signals (S = q k^T / sqrt(d), soft-capped if the model caps; P = softmax(S) in fp64; rows = sampled queries):
-- wq_norm, wk_norm: spectral norm of each head's W_Q / W_K slice of c_attn (a (head_dim, n_embd) matrix), by
-  power iteration warm-started from the previous sample's vectors (`power_iters` per sample, 20 at the first);
-  a lower bound that converges to the norm while the weights move slowly.
-- max_logit: max of S; entropy: mean over rows of -sum P log P (nats).
-- tie_rows: rows whose maximum appears more than once exactly, with S in fp32 as flash kernels form it (bf16
-  q, k products summed in fp64 and rounded once to fp32, then scaled); near_tie_rows: rows with more than one
-  score s >= max - g, g = the layer's `AttentionSpec.near_tie_window` (one_threshold of P̄'s format: for bf16
-  P̄, -ln(1 - 2^-9) = 1.955e-3), i.e. scores whose P̄ = exp(s - max) rounds to exactly 1.0 (the window the
-  Fix uses for its default tolerance and AttentionStats for near_tie_tiles).
-- delta_error: sum over rows of δ_lp - δ_hp with δ_lp = rowsum(dO ∘ O_lp) (O_lp the output used) and
-  δ_hp = rowsum(dO ∘ O_hp), O_hp = P V recomputed in fp64 from the same q, k, v; delta_error_abs: sum of |.|;
-  delta_error_cum: running sum of delta_error over the sampled steps (the paper's Fig. 5a, at the interval).
-- rank1_cos: mean pairwise cosine over the sampled tokens T != T' (same sequence) of the flattened rank-1
-  terms (PK)[T]^T X[T] (the W_Q gradient error is a δ-weighted sum of them, paper Eq. 2; the cosine of two
-  outer products is the product of the cosines of their factors).
-- rank1_cos_prev: cosine between this sample's mean term and the previous sample's (null at the first sample);
-  delta_term_cos_prev: the same for the δ-weighted sum sum_T (δ_lp - δ_hp)[T] (PK)[T]^T X[T] (proportional to
-  the W_Q gradient error). With QK-LayerNorm the gradient passes through the norm, so these terms are then
-  only the paper's proxy.
-- pbar_ones, fix_triggers, fix_fallbacks (only when some layer uses an "emulated" or "triton" backend, which
-  report AttentionStats; null for other layers, 0 for fp32 `hp_heads`): P̄ entries exactly 1.0 entering P̄V,
-  tiles (or rows) where the Fix moved the shift, and those where its max_gap guard capped it.
+`Telemetry(model).measure(x, y)` runs one extra eager forward and backward of the model on a few sequences of
+the current batch, captures each attention call's X, q, k, v, O and dO (autograd.grad on O: no parameter's
+.grad is touched) and returns {signal: [[value per head] per layer]} with one host sync (`SIGNALS`,
+`STAT_SIGNALS`). Every signal: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -85,8 +59,8 @@ def scores(q: torch.Tensor, k: torch.Tensor, softcap: float = 0.0) -> tuple[torc
 
 def layer_signals(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   do: torch.Tensor, window: float, softcap: float = 0.0) -> dict[str, torch.Tensor]:
-    """Per-head signals of one attention call (see the module docstring) as (heads,) tensors, plus the
-    (heads, head_dim, n_embd) mean and δ-weighted rank-1 terms under "mean_term" and "delta_term".
+    """Per-head signals of one attention call (`SIGNALS`, defined in the appendix) as (heads,) tensors, plus
+    the (heads, head_dim, n_embd) mean and δ-weighted rank-1 terms under "mean_term" and "delta_term".
 
     x: attention input (B, T, C); q, k, v, o, do: (B, H, T, D); window: the near-tie window.
     """

@@ -1,37 +1,10 @@
 """`lowprec train --config NAME --out DIR [--set key=value ...] [--resume]`: train a GPT and record the run.
 
-nanoGPT's loop with the paper's recipe: AdamW (decay on 2-D weights only), linear warmup then cosine to
-min_lr, global-norm clipping, bf16 autocast on CUDA (fp32 master weights; TF32 off unless allow_tf32),
-optional torch.compile (default: on for CUDA, off for CPU), DDP under torchrun (`torchrun --standalone
---nproc_per_node=N -m lowprec.cli train ...`; gloo on CPU, NCCL on CUDA). CPU runs default to fp32 (smoke-cpu
-sets dtype=float32): bf16 autocast on CPU is slow and adds nothing a test needs; set dtype=bfloat16 to get it.
-The file is longer than the project's ~450-line guide: the Trainer is one class in reading order (build,
-checkpoints, step, flush, loop, finish), kept in one file so the loop reads top to bottom, as in nanoGPT.
-
-Determinism: the model is initialised from `seed`; the batch of micro-step i of step s is
-`lowprec.data.sample_batch(seed, s * A + i)` (A = micro-steps per process), a pure function of (seed, step);
-there is no dropout. A checkpoint therefore only needs model, optimizer, RNG states, telemetry state, the
-divergence monitor and the step: a run killed and resumed reproduces the uninterrupted loss curve bit for bit
-on CPU.
-
-Validation loss (eval_interval) is the mean over a fixed set of validation windows, so its curve is smooth
-and comparable across runs of one seed. Host syncs happen only when metrics are flushed (every log_interval
-steps, at checkpoints, at the end and on a stop request), on evaluation and on telemetry steps.
-
-Divergence (a NaN/Inf loss, or after warmup a loss above diverge_factor times its minimum since warmup) is
-checked at each flush for every step since the previous one; the run stops, records the offending step and
-its batch (seed, data steps, window starts) and keeps the last checkpoint, which is only ever written after a
-clean check. Ctrl-C / SIGTERM finish the current step, write a checkpoint and mark the run "interrupted" (a
-second Ctrl-C aborts at once, still keeping the last checkpoint). Under DDP the stop request is agreed at the
-next flush. Checkpoints go to <out>/checkpoint (or ckpt_dir), with a .gitignore, and never into the records;
-with ckpt_keep each one is also kept as ckpt-<step:06d>.pt, and `Trainer(..., init_from=that file)` starts a
-fresh record from it (what `lowprec replay` does). Each checkpoint file has its sha256 beside it
-(`lowprec.checkpoint`); loading checks it, and a resume whose ckpt.pt is corrupt falls back to the newest
-intact kept copy.
-
-One process writes a record at a time: a second trainer on the same --out is refused while the first lives
-(`lowprec.runs.RunLock`). An exception (a full disk, a bug) marks the run "failed" with the reason, keeping
-the last checkpoint; resuming a finished run whose checkpoint reached max_iters changes nothing.
+nanoGPT's loop with the paper's recipe (AdamW, warmup then cosine, clipping, bf16 autocast on CUDA, optional
+torch.compile, DDP under torchrun). The batch of a step is a pure function of (seed, step), so a run killed
+and resumed reproduces its loss curve bit for bit on CPU; a divergence (NaN, or a loss above diverge_factor x
+its minimum since warmup) stops the run and records its batch; Ctrl-C / SIGTERM checkpoint and stop. Methods
+in detail: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Attention implementations that share one op order and one set of rounding points.
 
-- `attention(q, k, v, backend=..., causal=True, **kw)`: the single entry point (dispatch.py); `backend` is a
-  name or an `AttentionSpec` (spec.py: backend, precision, Fix and options as one typed value, with the
-  table `BACKENDS` of what each backend accepts).
-- `reference_attention`: float64 (o, lse).
-- `Precision`, `Rounding`: where rounding happens (precision.py); `Fix`, `AttentionStats`: the paper's dynamic
-  maximum and the per-row counters (fix.py); `plan_call`: one call's options resolved (plan.py).
-- `emulated_attention`: pure-PyTorch tiled FlashAttention-2 with those rounding points (emulated.py).
-- `flash_attention`: the Triton kernels (flash.py, which launches triton_kernels.py); bit-identical to the
-  emulator under TRITON_INTERPRET=1 thanks to the interpreter patch (interpreter.py). Imported lazily:
-  triton is loaded only when it is used.
+`attention(q, k, v, backend=spec)` is the one entry point (dispatch.py); `reference_attention` is float64,
+`emulated_attention` the FlashAttention-2 emulator (emulated.py), `flash_attention` our Triton kernels
+(flash.py, imported lazily: triton loads only when used). `AttentionSpec`, `Precision`, `Fix` and `plan_call`
+are a call's options (spec.py, precision.py, fix.py, plan.py).
 """
 
 from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention, sdpa_attention

@@ -1,18 +1,12 @@
 """`attention(q, k, v, backend=..., causal=True, **kw)`: one entry point for every attention implementation.
 
 `backend` is a name, an `AttentionSpec` or its string ("triton/precision=fa2/fix=2"); keywords add to (and
-override) the spec's. Backends (all take and return (batch, heads, seq, head_dim) tensors; the output has
-q's dtype). Every backend takes k, v with fewer heads than q (grouped-query attention), Nq != Nk with the
-causal mask aligned bottom-right, and `scale` (default 1/sqrt(head_dim)); reference.py says how:
-- "reference": float64 softmax attention (`reference_attention`), cast back to q's dtype.
-- "math": plain attention in the input dtype, op by op as torch does it: q @ k^T * scale, mask, softmax, @ v;
-  `dtype="float32"` computes it in fp32 (autocast off) and casts the output back.
-- "sdpa": torch.nn.functional.scaled_dot_product_attention; `sdpa_backend=` "flash" | "efficient" | "cudnn" |
-  "math" pins one torch kernel (default: torch chooses).
-- "emulated": `emulated_attention` (pure PyTorch, the kernel's tile order and rounding points); keywords
-  precision, fix, block_m, block_n, delta, o_for_delta, generator, return_stats, return_lse.
-- "triton": `flash_attention` (the Triton kernel; on CPU it runs under TRITON_INTERPRET=1); keywords
-  precision, fix, seed, block_m, block_n, return_stats, return_lse.
+override) the spec's. Every backend takes and returns (batch, heads, seq, head_dim) tensors (the output in q's
+dtype), k and v with fewer heads than q, Nq != Nk (causal mask aligned bottom-right) and `scale`:
+"reference" (float64), "math" (plain attention in the input dtype; `dtype="float32"`: in fp32, autocast off,
+cast back), "sdpa" (torch's SDPA; `sdpa_backend=` pins one of its kernels), "emulated" (`emulated_attention`)
+and "triton" (`flash_attention`).
+`spec.BACKENDS` lists the keywords each accepts.
 """
 
 from __future__ import annotations

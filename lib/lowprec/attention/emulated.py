@@ -1,25 +1,9 @@
 """`emulated_attention`: FlashAttention-2 in pure PyTorch, in the Triton kernel's tile order and arithmetic.
 
-The op order and rounding points are those of precision.py (its docstring is the contract). Arithmetic follows
-the "exact model", so that the Triton kernel run under TRITON_INTERPRET=1 (with interpreter.py's patch) gives
-the same bits:
-- every dot product is computed in fp64 from the (exactly representable) operands and rounded once to fp32;
-- exp, exp2, log and row sums are computed in fp64 and rounded once to fp32; P = exp(s - m) is taken as
-  FlashAttention-2 takes it, exp2(s * log2(e) - m * log2(e)), wherever the weights are rounded below fp32
-  (`exp_sub`);
-- everything else is single fp32 ops (+, -, *, /, max, compare, select), never fused.
-
-Tiles: the forward loops over key/value tiles of `block_n` columns in increasing order; all query rows are
-processed at once inside a tile (the kernel's query blocks only group rows, they do not change any row's
-arithmetic; under causal masking rows that cannot see a tile skip it, which adds nothing). The backward
-mirrors the kernel's two loops: dK/dV accumulate over query blocks of `block_m` rows in increasing order (with
-grouped-query attention: over the group's query heads in increasing order, each over all its blocks), dQ
-over key tiles of `block_n` columns in increasing order, each step adding one rounded dot to an fp32 sum.
-k and v may have fewer heads than q and another length (Nk); causal masks are aligned bottom-right
-(reference.py).
-
-Backward: delta = rowsum(dO * O) with O the saved (output-rounded) output, or the unrounded acc/l
-(`o_for_delta="fp32"`), or delta = rowsum(dP * P) (`delta="dP_P"`): the paper's localisation ablations.
+The op order and rounding points are precision.py's; every dot, exp, log and row sum is computed in fp64 and
+rounded once to fp32 (the "exact model"), so that the kernel under TRITON_INTERPRET=1 gives the same bits.
+The backward mirrors the kernel's loops; `o_for_delta="fp32"` and `delta="dP_P"` are the paper's localisation
+ablations. Tiles and arithmetic in detail: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -256,7 +240,7 @@ def emulated_attention(
     its short string ("fa2", "paper", "fa2:weights=e8m3", ...). fix: a Fix (or True / a beta value /
     "2:tie=row") for the dynamic maximum. scale: the softmax scale (default 1/sqrt(D); rounded to fp32).
     block_m / block_n: query / key tile sizes (default: precision.tile or 64). delta, o_for_delta: backward
-    variants (module docstring). generator: random bits for stochastic rounding.
+    variants (the paper's localisation ablations). generator: random bits for stochastic rounding.
     Returns o (q's dtype); with return_lse also lse (fp32, (batch, heads, seq)); with return_stats also an
     AttentionStats of the forward pass, in that order.
     """

@@ -1,16 +1,10 @@
-"""The paper's dynamic maximum (`Fix`), tie detection (`ties`) and the per-row counters (`AttentionStats`).
+"""The paper's dynamic maximum (`Fix`, `fix_shift`), tie detection (`ties`) and the per-row counters
+(`AttentionStats`).
 
-The Fix (`Fix`, `fix_shift`): in each tile row (or once per whole row, `tie="row"`), count scores within
-`tol` of the row max r. If there is more than one (a repeated or near-repeated maximum), the row's shift
-becomes beta*r for r > 0 and 0 for r < 0 (the published rule; r == 0 stays r), so that the largest P̄ is
-exp(-(beta-1) r) or exp(r), below 1. Two guards, both counted: the shift never moves more than `max_gap`
-above r (else l could underflow to 0 and O become NaN), and `variant="closed"` moves it at least `min_gap`
-above r. Its string form (`Fix.spec`, `Fix.parse`) is "<beta>[:field=value,...]", e.g. "2" or "2:tie=row".
-
-The published rule's edge: P̄ = exp(-gap) still rounds to exactly 1.0 when the gap shift - r is below
-one_threshold(P̄'s format) (1.955e-3 for bf16), i.e. for r == 0, for 0 < r < 1.955e-3/(beta-1), and for
--1.955e-3 < r < 0. The closed variant (not in the paper) keeps the gap at least 2^-k (k = P̄'s significand
-bits), so P̄ <= 1 - 2^-k there. See `Fix` for the defaults and their derivations.
+Where more than one score lies within `tol` of a row's maximum r, the Fix shifts the row by beta*r (r > 0) or
+0 (r < 0) instead of r, so that its largest P̄ stays below 1; "2" or "2:tie=row" is its string form
+(`Fix.spec`, `Fix.parse`). The rule, its guards and its edge: the book's appendix "Methods and record
+formats".
 """
 
 from __future__ import annotations
@@ -41,29 +35,17 @@ def one_threshold(fmt: Format | None) -> float:
 
 @dataclass(frozen=True)
 class Fix:
-    """The paper's dynamic maximum ("stabilized flash attention"), with two guards.
+    """The paper's dynamic maximum ("stabilized flash attention"), with two guards (the appendix derives the
+    defaults).
 
-    beta: the shift factor for a positive repeated max (paper: 2; v2 of the paper and the first code: 7).
-      Must be finite and > 1.
-    tol: scores s >= r - tol count as ties of the row max r. None (default) derives it from P̄'s format:
-      `one_threshold(fmt)`, the largest distance below the max whose P̄ still rounds to exactly 1.0 --
-      for bf16 P̄ that is -ln(1 - 2^-9) = 1.955e-3 (any fp32 score within ~2^-9 of the max gives P̄ = 1.0),
-      so every score that would produce P̄ = 1.0 is counted. The paper's code uses 1e-3, which misses ties in
-      (1e-3, 1.955e-3). tol = 0 tests exact ties only (paper v2). Must be >= 0.
-    tie: "tile" (published: ties counted within each key tile, so the result depends on the tile width) or
-      "row" (ties counted over the whole row: one extra pass over the keys computing each row's top two
-      scores, i.e. one more q k^T product in the forward, about +50% forward matmul work or ~+14% of a
-      forward+backward step; the backward is unchanged).
-    variant: "published" (shift = beta*r for r > 0, 0 for r < 0, r for r == 0) or "closed" (the same, but the
-      shift is at least `min_gap` above r). The published rule leaves P̄ == 1.0 when the gap shift - r is
-      below one_threshold(fmt): r == 0 (gap 0), 0 < r < one_threshold/(beta-1), or -one_threshold < r < 0.
-    min_gap: the closed variant's smallest gap; None = 2^-k for P̄'s k significand bits (exp(-2^-k) rounds to
-      1 - 2^-k, two grid steps below 1; bf16: 2^-7).
-    max_gap: the largest gap ever applied (else exp(-(beta-1) r) underflows and l = 0 -> NaN; with beta = 2
-      that happens for r > ~87 in fp32/bf16). Beyond it the shift falls back to r + max_gap and the row is
-      counted as a fallback. None = half the natural-log range of P̄'s normal numbers, -ln(min_normal)/2:
-      43.7 for bf16/fp32-range formats, 4.85 for fp16, so that near-max P̄ stay normal numbers (a GPU's exp
-      flushes subnormals to 0).
+    beta: the shift factor for a positive repeated max (paper: 2), finite and > 1.
+    tol: scores s >= r - tol count as ties of the row max r; None: `one_threshold` of P̄'s format, so that
+      every score whose P̄ rounds to exactly 1.0 counts (bf16: 1.955e-3); 0: exact ties only.
+    tie: "tile" (ties counted within each key tile, as published) or "row" (over the whole row).
+    variant: "published" or "closed" (the shift at least `min_gap` above r).
+    min_gap: the closed variant's smallest gap; None: 2^-k for P̄'s k significand bits.
+    max_gap: the largest gap applied (beyond it the shift is r + max_gap, counted as a fallback); None: half
+      the natural-log range of P̄'s normal numbers (bf16: 43.7).
     """
 
     beta: float = 2.0

@@ -1,56 +1,13 @@
 """`flash_attention`: FlashAttention-2 in Triton with lowprec's rounding points and Fix, forward and backward.
 
 This module launches the kernels of triton_kernels.py (autotune, autograd, the public `flash_attention` and
-`flash_delta`) and compiles them ahead of time for a GPU (`compile_for_gpu`); triton_rounding.py holds the
-rounding points they call. Importing it imports triton_mode.py first: if CUDA is not available and
-TRITON_INTERPRET is unset, that sets TRITON_INTERPRET=1 itself (before triton is imported; a clear error if
-triton was imported earlier), and under TRITON_INTERPRET=1 (CPU) it applies interpreter.py's patch, with
-which the kernels are bit-identical to emulated_attention (o, lse, delta, dq, dk, dv, counters) for
-round-to-nearest precisions. (It is a little over 450 lines because launch, autotune, autograd and the
-ahead-of-time compile all read the same autotune tables and argument packing; split, each would import the
-others' internals.)
-
-Inputs: q (B, H, Nq, D), k and v (B, H_kv, Nk, D), H a multiple of H_kv (grouped-query / multi-query
-attention: query head h reads key/value head h // (H // H_kv)), causal masks aligned bottom-right (query i
-sees keys j <= i + Nk - Nq; rows that see no key give o = 0, lse = +inf), D from 16 to 256 (padded to a
-power of two), any strides with a contiguous head dim (e.g. the model's transposed (B, N, H, D) views): the
-kernels take each tensor's (batch, head, seq) strides, so nothing is copied. The output (and dq, dk, dv)
-are laid out like q (and k, v): (B, N, H, D) memory when the input's seq stride exceeds its head stride, else
-contiguous (B, H, N, D), as torch's SDPA does.
-
-torch.compile: the kernels are two custom ops, `torch.ops.lowprec.flash_forward` and
-`torch.ops.lowprec.flash_backward` (torch.library.custom_op, with fake implementations and the backward
-registered as the forward's autograd formula). Their options are plain values (the precision's and the Fix's
-spec strings, floats, ints, bools), resolved inside the op, so Dynamo traces `flash_attention` without a graph
-break and Inductor compiles the model around the kernels (it calls them as opaque ops and never re-compiles
-them). Eager calls skip the ops' dispatch (~0.2 ms of host time a call) through an autograd.Function over the
-same two functions.
-
-Launch
-- Block sizes: under the interpreter BLOCK_M = BLOCK_N = 64 (or Precision.tile, or block_m/block_n), the same
-  tiles as emulated_attention's defaults. On a GPU the kernels are autotuned over a few Hopper configs
-  (BLOCK_M, warps, stages; the forward keeps BLOCK_N = 64 so that per-tile tie detection does not depend on
-  the chosen config), each tried only for the head dims it suits (`_CONFIGS_FOR`: head dim 256 needs smaller
-  tiles); the Fix, the counters and the rounding codes (constexprs FIX, WITH_STATS, CODES, NORM ...) are part
-  of the autotune key, so each variant gets its own pick. Under torch.use_deterministic_algorithms(True) no
-  timing chooses: the kernels launch with the PINNED tiles (`launched_tiles()` lists what ran).
-- Kernel arguments: the six rounding codes go in as one constexpr tuple CODES (POINTS order; the backward
-  needs only the scores' code, C_SCORES), the Fix's numbers as one fp32 tuple `fix` = (beta, tol, min_gap,
-  max_gap) (placeholders without a Fix; tol is also the counters' near-tie window), each tensor's strides as
-  one tuple (batch, head, seq).
-
-What differs on a GPU (so GPU results match the emulator only statistically, not bit for bit):
-- tl.dot runs on tensor cores: exact products but a hardware-specific multi-term accumulation with truncated
-  alignment, not one rounding of the exact sum; IEEE fp32 dots run as FMA chains, cut into parts of K/4 and
-  added to the accumulator once per tile (`_ieee_dot`), which keeps fp32 errors at the level of torch's;
-- tl.exp2 lowers to ex2.approx.ftz.f32 (about 2 ulp, subnormal results flushed to zero), tl.log to
-  lg2.approx; fp32 inputs use libdevice's exp / exp2 / log instead (about 1 ulp). (tl.exp lowers to a
-  multiply by log2(e) and ex2.approx.f32, which keeps subnormals: with it the forward was 1.42x slower at
-  head dim 128, results/attention/bench-ab-A.json against bench-ab-B.json);
-- tl.sum / tl.max reduce in a tree across lanes and warps;
-- the compiler fuses a*b + c into FMAs (e.g. l * alpha + rowsum, s * log2(e) - m * log2(e)), one rounding
-  instead of two;
-- (the output division o = acc / l uses tl.div_rn, so it is IEEE-rounded on a GPU too.)
+`flash_delta`) and compiles them ahead of time for a GPU (`compile_for_gpu`). It imports triton_mode.py first,
+which switches on Triton's interpreter where there is no CUDA; there the kernels are bit-identical to
+emulated_attention. q is (B, H, Nq, D), k and v (B, H_kv, Nk, D) with H a multiple of H_kv and D from 16 to
+256, any strides with a contiguous head dim; under torch.compile the kernels are two custom ops
+(torch.ops.lowprec.flash_forward, flash_backward). On a GPU the tiles are autotuned, or under
+torch.use_deterministic_algorithms(True) taken from PINNED. Launch, autotune and what differs on a GPU: the
+book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Make Triton's CPU interpreter (TRITON_INTERPRET=1) compute what the emulator computes, bit for bit.
 
-Triton 3.6.0's interpreter (triton/runtime/interpreter.py, `InterpreterBuilder`) cannot run a bf16 flash
-attention kernel faithfully:
-- bf16 tensors are numpy uint16 bit patterns, and `create_dot` multiplies those integers (garbage for bf16
-  dots);
-- fp32 -> bf16 casts (`cast_impl` via `_convert_float(..., rounding_mode=None)`) truncate instead of rounding
-  to nearest even (a GPU uses cvt.rn.bf16.f32; truncation alone biases attention outputs ~100x more than the
-  effect this project studies);
-- exp/log are numpy float32 ufuncs, `tl.sum` is numpy's pairwise sum and fp32 dots are OpenBLAS sgemm: all
-  correct to within an ulp or so, but not bit-compatible with any torch computation.
-
-`apply()` replaces, on the interpreter's builder:
-- `create_dot`: operands (bf16 bits, fp16 or fp32) widened exactly to fp64, one fp64 matmul, rounded once to
-  fp32, then the accumulator added in fp32 (the "exact model": order- and library-independent);
-- `cast_impl` for fp32 -> bf16: round to nearest even with integer ops (NaN stays NaN);
-- `create_exp`, `create_exp2`, `create_log`, `create_log2` on fp32: computed in fp64, rounded once to fp32;
-- `ReduceOps.sum` on fp32: summed in fp64, rounded once to fp32.
-- tensor `__index__` (used by `range(0, N, BLOCK)` loops): 3.6.0 calls int() on a shape-(1,) numpy
-  array, which numpy >= 2.3 refuses ("only 0-dimensional arrays can be converted"); the patch takes the
-  single element.
-Everything else the kernels use (fp32 +, -, *, /, max, compares, selects, integer ops, fp16 casts) is already
-IEEE-exact in numpy. With the patch the unmodified GPU kernel (triton_kernels.py) is bit-identical to
-emulated.py. It relies on interpreter internals, so it checks that they are there and that triton is 3.6.0
-(the version pinned in requirements.txt and used on the GPU machines); `active()` says whether it is applied,
-and tests/test_flash_kernel.py has a guard test that fails if casts still truncate.
-
-The library applies it itself (triton_mode.py, imported before triton by triton_rounding.py, triton_kernels.py
-and flash.py) only when TRITON_INTERPRET=1; it never touches GPU runs.
+`apply()` patches Triton 3.6.0's interpreter builder: dots, exp, exp2, log, log2 and fp32 sums computed in
+fp64 and rounded once to fp32, fp32 -> bf16 casts rounded to nearest even (the interpreter truncates), and
+tensor `__index__` for numpy >= 2.3. It checks that the internals it replaces are there; `active()` says
+whether it is applied; triton_mode.py applies it under TRITON_INTERPRET=1 only. Why each replacement: the
+book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

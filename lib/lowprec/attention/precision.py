@@ -1,57 +1,12 @@
-"""Where flash attention rounds (`Precision`), and the op order the rounding points live in.
+"""Where flash attention rounds (`Precision`): six rounding points in FlashAttention-2's op order, one torch
+function each, from round_scores to round_output.
 
-The forward pass, per query row and key/value tile j = 0, 1, ... (FlashAttention-2 order). Every arithmetic
-op is fp32; `dot` means the "exact model": products summed in fp64 and rounded once to fp32. The names in
-brackets are the rounding points; each has one function below, and the Triton kernel calls its mirror
-image at the same place (triton_rounding.py, `_round`, called from triton_kernels.py):
-
-    s     = dot(q, k^T) * scale                       [scores]      round_scores
-    s     = -inf where masked (causal: key j > i + Nk - Nq; beyond Nk)
-    r     = rowmax(s);  shift = r, or the Fix rule                  fix_shift
-    m_new = max(m, shift);  m_use = 0 where m_new == -inf, else m_new   (a row that has seen no key yet)
-    alpha = exp(m - m_use)                            (exp(x - y): exp2(x * log2(e) - y * log2(e)) where
-    p     = exp(s - m_use)                             the weights are rounded, as FlashAttention-2 does)
-    l     = l * alpha + rowsum(p)                     [rowsum]      round_rowsum   (norm="exact")
-    p_lp  = round(p)                                  [weights]     round_weights (the P̄ entering P̄V)
-    l     = l * alpha + rowsum(p_lp)                  [rowsum]      round_rowsum   (norm="rounded")
-    pv    = dot(p_lp, v)                              [product]     round_product
-    acc   = acc * alpha + pv                          [accumulator] round_accumulator
-    m     = m_new
-    o     = acc / l, or 0 where l == 0                [output]      round_output (stored in q's dtype)
-    lse   = m + log(l), or +inf where l == 0 (a row that sees no key: FlashAttention-2's convention)
-
-`norm` says which weights the row sum l adds up: "exact" (production kernels) sums the fp32 P before the
-weights rounding, so O = sum(P̄ v) / sum(P) normalises the rounded weights by the sum of the unrounded ones
-(the mismatch biases O when P̄ rounds up, e.g. near ties rounding to 1.0); "rounded" sums the P̄ that enter
-the P̄V dot, so O = sum(P̄ v) / sum(P̄) is a weighted mean of V again.
-
-Backward, from the saved o and lse. It has no rounding points of its own: P and dS are cast to the input
-dtype before their dots, as in FlashAttention-2.
-    delta = rowsum(dO * O)
-    per tile: p = exp(s - lse); dv += dot(p^T, dO); dp = dot(dO, v^T); ds = p * (dp - delta);
-              dk += dot(ds^T, q); dq += dot(ds, k)
-    dk, dq *= scale at the end
-
-A point holds a `Rounding`: a lowprec.formats format (or "input" = q's dtype, or None = stays fp32) and a
-mode: "nearest", "stochastic", or "ones" (weights only: the values that round to exactly 1.0 in the format
-become 1.0, every other value is rounded to the input dtype -- the paper's P̄ = 1 rounding with a wider window
-and nothing else, e.g. "fa2:weights=e8m3@ones" rounds P̄ in [1 - 2^-5, 1) up to 1 instead of bf16's
-[1 - 2^-9, 1); a Fix with its default tol detects exactly that window). Placements (named settings of all six
-points; the book's "placement" and the code's are the same thing):
-  Precision.fa2()   production kernels: P̄ and the output in the input dtype, everything else fp32.
-  Precision.paper() the authors' PyTorch reference (github ucker/why-low-precision-training-fails): S, P̄,
-                    l, the P̄V result, the running O and the output all in the input dtype; 512 x 512 tiles.
-  Precision.fp32()  no rounding anywhere (the high-precision forward).
-  Precision.consistent()  fa2 with norm="rounded": l summed from the rounded weights P̄.
-
-Short strings (CLIs, configs): "<placement>[:<point>=<spec>,...]", spec "<format>[@<mode>]", format one of
-lowprec.formats.FORMATS, "eXmY" (e.g. e8m3: bf16's range with 3 significand bits), "input" or "none";
-also "tile=<int>|none" and "norm=exact|rounded". Examples: "fa2", "paper", "fa2:weights=e8m3",
-"fa2:weights=bf16@stochastic", "paper:tile=none", "fa2:weights=e8m2@ones", "consistent"
-(= "fa2:norm=rounded"). `p.spec` is the shortest such string for p
-(`Precision.parse(p.spec) == p`) and `repr(p)` shows it.
-
-The dynamic maximum (`Fix`) and the per-row counters (`AttentionStats`) live in fix.py.
+A point holds a `Rounding`: a lowprec.formats format ("input" = q's dtype, None = stays fp32) and a mode,
+"nearest", "stochastic" or "ones" (weights only). `PLACEMENTS` names the settings of all six: fa2 (production
+kernels), paper (the authors' all-bf16 reference), fp32 (no rounding) and consistent (fa2 with the row sum of
+the rounded P̄). Short strings: "<placement>[:<point>=<format>[@<mode>],...]" with tile=<int>|none and
+norm=exact|rounded, e.g. "fa2:weights=e8m3"; `Precision.parse(p.spec) == p`. The op order, the norm option
+and the backward: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -65,7 +20,7 @@ from lowprec.formats import FORMATS, Format, round_to
 
 POINTS = ("scores", "weights", "rowsum", "product", "accumulator", "output")
 ROUNDING_MODES = ("nearest", "stochastic", "ones")
-NORMS = ("exact", "rounded")  # what the row sum l adds up: the fp32 P, or the rounded P̄ (module docstring)
+NORMS = ("exact", "rounded")  # what the row sum l adds up: the fp32 P, or the rounded P̄
 INPUT = "input"
 _DTYPE_FORMATS = {torch.bfloat16: FORMATS["bf16"], torch.float16: FORMATS["fp16"]}
 
@@ -135,7 +90,7 @@ def _as_rounding(value: Rounding | str | Format | None) -> Rounding:
 
 @dataclass(frozen=True)
 class Precision:
-    """The rounding applied at each point of the forward pass (module docstring); `tile` fixes the tile
+    """The rounding applied at each point of the forward pass (the appendix's op order); `tile` fixes the tile
     size (None: the caller's block sizes); `norm` whether l sums P ("exact") or P̄ ("rounded"). Points take a
     Rounding, a spec string ("bf16@stochastic") or a Format."""
 

@@ -1,20 +1,11 @@
 """`AttentionSpec`: which attention implementation runs, with its `Precision`, its `Fix` and its options.
 
-One typed value travels from the CLI (`--set attention=...`) through configs, the model, telemetry, the
-trainer, replay and the experiments to `attention()`; strings exist only at the edges (CLI, config files,
-records). The string form is "backend[/key=value/...]":
-
-    sdpa                                     torch's SDPA, torch picks the kernel
-    sdpa/sdpa_backend=flash                  one of torch's kernels
-    math                                     plain attention in the input dtype
-    math/dtype=float32                       the same in fp32 (autocast off), cast back to the input dtype
-    emulated/precision=paper                 the emulator, the authors' all-bf16 placement
-    triton/precision=fa2:weights=e8m3/fix=2  our kernel, 3-bit P̄, the paper's Fix with beta 2
-    triton/precision=fa2/fix=2:tie=row       the Fix counting ties over whole rows
-
-`AttentionSpec.parse(text)` and `str(spec)` are the only conversions, and they round-trip:
-`AttentionSpec.parse(str(s)) == s`. Backends that take a precision get `fa2` when none is named, so
-"triton" and "triton/precision=fa2" are the same spec. `BACKENDS` says what each backend accepts.
+Its string form is "backend[/key=value/...]", e.g. "sdpa", "sdpa/sdpa_backend=flash",
+"math/dtype=float32" (fp32, autocast off),
+"emulated/precision=paper", "triton/precision=fa2:weights=e8m3/fix=2" or "triton/precision=fa2/fix=2:tie=row";
+`AttentionSpec.parse(text)` and `str(spec)` are the only conversions, and they round-trip. A backend that
+takes a precision gets fa2 when none is named. `BACKENDS` says what each backend accepts; `kwargs()` gives a
+call's keywords (precision and fix as spec strings).
 """
 
 from __future__ import annotations

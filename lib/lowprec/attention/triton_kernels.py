@@ -1,45 +1,11 @@
-"""The `@triton.jit` kernels of `flash_attention`: FlashAttention-2 forward and backward with lowprec's
-rounding points and Fix. Launch, autotune and autograd are in flash.py; the rounding points, the Fix's shift
-and the exp / log / dot helpers, each a mirror of its torch function, in triton_rounding.py.
+"""The `@triton.jit` kernels of `flash_attention`: FlashAttention-2 forward (`_fwd`) and backward (`_delta`,
+`_dkdv`, `_dq`) with lowprec's rounding points and Fix.
 
-Design
-- Forward (`_fwd`): one program per (query block of BLOCK_M rows, batch*head). It loops over key/value tiles
-  of BLOCK_N columns in increasing order (causal: only tiles holding a key <= the block's last query), keeps
-  m, l and the output accumulator in fp32 registers, and performs the op sequence of precision.py
-  (`_fwd_step`) with each rounding point as a call to `_round` with its code from the constexpr tuple CODES:
-  fa2 only casts P̄ to the input dtype before the P̄V dot and the output when it is stored. With the Fix
-  (constexpr FIX: 1 = ties per tile, 2 = per whole row, which adds a first pass computing each row's top two
-  scores) the row shift follows `_fix_shift`, the mirror of fix.fix_shift; the Fix's numbers come as one
-  runtime tuple `fix` = (beta, tol, min_gap, max_gap) (tol is also the counters' near-tie window). Per-row
-  int32 counters (P̄ == 1 entries, tie tiles, near-tie tiles, Fix triggers, fallbacks; the tuple `counts`,
-  in STAT_NAMES order) are written when WITH_STATS.
-- Backward: `_delta` (delta = rowsum(dO * O) from the stored O), `_dkdv` (one program per key block,
-  looping over query blocks in increasing order) and `_dq` (one program per query block, looping over key
-  tiles in increasing order): dQ is its own loop, so there are no atomics and the result is deterministic;
-  dK, dV and dQ accumulate in fp32 and are stored in the input dtype. P and dS are cast to the input dtype
-  before their dots (FlashAttention-2); fp32 inputs use IEEE fp32 dots (no TF32).
-- Any sequence lengths Nq, Nk (rows/columns beyond them are masked), causal masks aligned bottom-right
-  (query i sees keys j <= i + Nk - Nq; a row that sees no key keeps m = -inf, l = 0 and stores o = 0,
-  lse = +inf, so its backward P is 0), grouped-query attention (query head h reads key/value head
-  h // GROUP; `_dkdv` runs per key/value head and sums its GROUP query heads in registers, no atomics and no
-  expanded copies), head dims 16..256 (padded to a power of two, BLOCK_D, with masked loads), bf16 / fp16 /
-  fp32 inputs, any (batch, head, seq) strides with a contiguous head dim (each tensor's strides are one
-  tuple argument; a row offset within a head is int32, a head's base int64). Each loop runs first over the
-  tiles that need no mask, then over those that do (MASK, a constexpr of the step functions); the tiles
-  without a mask also load their rows without a row mask (`_load`'s CHECK_ROWS).
-- Arithmetic: everything except loads, stores, casts and tl.dot operands is fp32; P = exp(s - m) is
-  exp2(s * log2(e) - m * log2(e)) (`_exp_sub`: FlashAttention-2's form, one FMA and one ex2 per score on a
-  GPU; s == m still gives exactly 1) wherever the weights are rounded below fp32, natural exp where they
-  stay fp32 (the forward's P̄ with weights=none or fp32 inputs, the backward's P with fp32 inputs). The op
-  order is the emulator's, op for op: under TRITON_INTERPRET=1 (with interpreter.py's patch) the kernels are
-  bit-identical to emulated_attention, so any reordering here breaks tests/test_flash_kernel.py.
-- Cost of the Fix (tie="tile"): per score one compare that yields 1.0 / 0.0 and one fp32 add (the tie count),
-  per row a few selects; the counters are computed and stored only when WITH_STATS.
-- The kernels do not specialise on N_Q, N_K, H, GROUP or B*H (do_not_specialize; Triton would compile a new
-  variant for a value of 1 or a multiple of 16), so one compiled variant serves every sequence length, head
-  count and group size; `_dkdv` alone has two (constexpr GROUPED): with GROUP = 1 its loop over the group's
-  query heads is one constant iteration, as when Triton specialised GROUP = 1. NORM (Precision.norm: 0
-  "exact", 1 "rounded") moves the row-sum update after the weights rounding, as precision.py's op order says.
+Each loop performs the op order of precision.py, a rounding point being a call to `_round` with its code from
+the constexpr tuple CODES; the mirrors of the torch functions are in triton_rounding.py, the launch in
+flash.py. Under TRITON_INTERPRET=1 the kernels are bit-identical to emulated_attention, so any reordering here
+breaks tests/test_flash_kernel.py. Programs, masks, arithmetic and the cost of the Fix: the book's appendix
+"Methods and record formats".
 """
 
 from __future__ import annotations
@@ -87,6 +53,16 @@ def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.cons
     else:
         x = tl.load(ptrs)
     return x
+
+
+@triton.jit
+def _program(H, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block and head: (the block's first row, its rows (BLOCK,), the head dim's offsets
+    (BLOCK_D,), bh, b, h). B*H is folded over the grid's y and z, so in the fold's last row of programs bh
+    may reach B*H: the caller returns then."""
+    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+    start = tl.program_id(0) * BLOCK
+    return start, start + tl.arange(0, BLOCK), tl.arange(0, BLOCK_D), bh, bh // H, bh % H
 
 
 @triton.jit
@@ -199,6 +175,8 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     return m_new, l_i, acc, (n_ones, n_ties, n_near, n_trig, n_fallback)
 
 
+# Sizes are runtime values (do_not_specialize): Triton would otherwise compile a new variant for a value of 1
+# or a multiple of 16; so one compiled variant serves every sequence length, head count and group size.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH", "seed"])
 def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, fix, seed, D: tl.constexpr,
          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -206,19 +184,14 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
          NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr):
     """Forward of one query block of one query head: key tiles without masks first, then the tiles that need
     one. sq, sk, sv, so: (batch, head, seq) strides; the head dim is contiguous."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    m0, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
+    if bh >= BH:
         return
-    b = bh // H
-    h = bh % H
     Q, O = Q + _head(b, h, sq), O + _head(b, h, so)
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)  # the group's key/value head
     offset = N_K - N_Q  # causal: row i sees keys j <= i + offset
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     q = _load(Q, offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
-    full_end, hi = _key_range(pid_m * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (BLOCK_M,) running max (the shift)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # (BLOCK_M,) running row sum
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # (BLOCK_M, BLOCK_D) running output
@@ -269,14 +242,9 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
 @triton.jit(do_not_specialize=["N", "H", "BH"])
 def _delta(O, DO, DELTA, so, sdo, N, H, BH, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O), fp32 products and sum, O as stored."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    _, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
+    if bh >= BH:
         return
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     o = _load(O + _head(b, h, so), offs_m, offs_d, N, so[2], D, False).to(tl.float32)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N, sdo[2], D, False).to(tl.float32)
     tl.store(DELTA + bh.to(tl.int64) * N + offs_m, tl.sum(o * do, 1), mask=offs_m < N)
@@ -320,16 +288,9 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
     that read it (GROUPED: GROUP > 1; else the one head, with no loop over heads) in increasing order, each
     over its query blocks in increasing order (diagonal ones masked, then unmasked ones, then the tail beyond
     the last whole block)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H_kv folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    start_n, offs_n, offs_d, bh, b, kvh = _program(H // GROUP, BLOCK_N, BLOCK_D)  # bh: batch x key/value head
+    if bh >= BH:
         return
-    h_kv = H // GROUP
-    b = bh // h_kv
-    kvh = bh % h_kv
-    start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     k = _load(K + _head(b, kvh, sk), offs_n, offs_d, N_K, sk[2], D, False)  # (BLOCK_N, BLOCK_D)
     v = _load(V + _head(b, kvh, sv), offs_n, offs_d, N_K, sv[2], D, False)  # (BLOCK_N, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -385,22 +346,17 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, B
         IEEE: tl.constexpr, C_SCORES: tl.constexpr):
     """dQ of one query block of one query head: key tiles in increasing order, unmasked ones first (no
     atomics)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)  # B*H folded over the grid's y and z
-    if bh >= BH:  # the fold's last row of programs may overshoot
+    m0, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
+    if bh >= BH:
         return
-    b = bh // H
-    h = bh % H
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)
     offset = N_K - N_Q
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     q = _load(Q + _head(b, h, sq), offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N_Q, sdo[2], D, False)  # (BLOCK_M, BLOCK_D)
     lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
     delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    full_end, hi = _key_range(pid_m * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, full_end, BLOCK_N):
         dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
                       D, BLOCK_N, False, CAUSAL, IEEE, C_SCORES)

@@ -1,25 +1,10 @@
 """The Triton mirror of precision.py's rounding points, fix.py's `fix_shift` and emulated.py's arithmetic.
 
-Each function here names the torch function it mirrors, so the two can be read side by side:
-
-    here                      mirror of
-    _code, _codes (host)      Rounding.resolve: one rounding point, resolved for the input dtype, as an int
-    _round                    precision._round (round_scores, round_weights, ... round_output)
-    _round_bits               formats.round_to (modes "nearest" and "stochastic"), in int32 ops on fp32 bits
-    _cast                     formats.round_to to bf16 / fp16 = torch's x.to(bf16 / fp16).float()
-    _fix_shift                fix.fix_shift
-    _exp_sub, _log, _dot      emulated.exp_sub, emulated.log, emulated.dot (the "exact model" in the
-                              interpreter)
-
-Rounding codes: one int per rounding point, kind | exp_bits << 4 | man_bits << 8 | no_inf << 13 | host kind
-<< 14. The kind is NONE (stays fp32), CAST_BF16 / CAST_FP16 (round to nearest in the hardware cast), NEAREST /
-STOCHASTIC (k-bit rounding by `_round_bits`) or ONES (weights only: the values that round to 1.0 in the
-format become 1.0; the host kind, NONE / CAST_BF16 / CAST_FP16, says how every other value is rounded). The
-forward kernel takes all six as one constexpr tuple, CODES, indexed by SCORES, WEIGHTS, ... OUTPUT (the order
-of precision.POINTS), e.g. `_round(l, CODES[ROWSUM], ...)`; the index is also the point's stream id, which
-decorrelates the stochastic bits of the points. Stochastic bits come from a counter-based hash of (seed,
-batch*head, point, element), so a run is reproducible from its seed; they are not the bits the emulator
-draws from its torch.Generator.
+Each function names the torch function it mirrors (`_round`: precision._round; `_round_bits`:
+formats.round_to; `_cast`: a bf16 / fp16 cast; `_fix_shift`: fix.fix_shift; `_exp_sub`, `_log`, `_dot`:
+emulated's). A rounding point is resolved on the host into one int code (`_code`); stochastic bits come from a
+counter-based hash of (seed, batch*head, point, element). The code's bit layout: the book's appendix "Methods
+and record formats".
 """
 
 from __future__ import annotations

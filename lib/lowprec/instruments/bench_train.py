@@ -1,25 +1,11 @@
 """`lowprec bench train`: training throughput per attention backend, model FLOPs utilisation, telemetry cost.
 
-    lowprec bench train --config gpu-6l --backends sdpa math triton/precision=fa2 --steps 200 \\
+    lowprec bench train --config gpu-6l --backends sdpa math triton/precision=fa2 --steps 200 \
         --out results/bench/train-gpu-6l.json
 
-Each backend spec (a `lowprec.model` attention spec, space separated) trains the config for warmup + steps
-steps through the real trainer (`lowprec.train.train`, records in a temporary folder unless --runs-dir) with
-telemetry off; the clock (with a device sync) starts after the warmup steps, which absorb torch.compile.
-tokens/s = steps * tokens_per_step / time. MFU = tokens/s * flops_per_token / peak, flops_per_token =
-6 N + 12 L C T (N non-embedding parameters including the tied lm_head; attention scores and P V counted
-full, non-causal, as nanoGPT and PaLM do), peak = 989 TFLOP/s, the H200's dense bf16 tensor-core peak
-(only reported on an H200 unless --peak-tflops is given; null elsewhere).
-
-Telemetry overhead: right after its telemetry-off run, the first backend runs again with telemetry every
---telemetry-interval steps. Two numbers: `measured` = step_time_on / step_time_off - 1 over the same window
-(noisy: the window holds only steps / interval samples), and `per_sample` = the mean wall time of one
-telemetry sample (synced before and after, as recorded in metrics) / (interval x the telemetry-off step
-time): the overhead that interval implies; `per_sample_at_config_interval` is the same at the config's own
-telemetry_interval (the default a training run uses).
-
-A backend that fails is recorded with its error and the others still run (exit status 1); the JSON is
-rewritten after every run, so a benchmark killed by a time limit keeps what it measured.
+Each backend spec trains the config for warmup + steps steps through the real trainer, timed after the warmup;
+the first backend runs again with telemetry on. A backend that fails is recorded with its error and the others
+still run (exit status 1). MFU and the telemetry overhead: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

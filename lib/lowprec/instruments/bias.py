@@ -1,22 +1,10 @@
 """Adversarial attention rows and the signed error they leave in O and in δ = rowsum(dO ∘ O).
 
-A `Case` describes a family of score rows (unique max, k exact ties, k near-ties just below the max, random,
-huge logits) and of value columns (same sign, mean placed mid-binade so O sits away from a power of two).
-`adversarial_inputs` turns it into bf16 q, k, v (and an fp32 dO) whose scaled scores are the wanted rows:
-keys are [I | I] (head_dim = 2·seq) and each query row carries its target scores as a bf16 pair (a, b) with
-a + b ≈ target / scale, so q·k = a_j + b_j per key: ~16 significant bits, enough for near-ties of 1e-3, and
-exact ties are bit-exact because tied keys see the same two bf16 numbers.
-
-`measure_bias(impl, case)` runs any implementation (a callable `f(q, k, v) -> o` or a backend name of
-`lowprec.attention.attention`) and compares with the float64 reference:
-  O error  = mean over the row's features of o − o_ref, one value per row (the features of a row share its
-             rounded weights, so they are not independent samples),
-  δ error  = rowsum(dO ∘ (o − o_ref)) per row (float64 sum, the paper's δ_lp − δ_hp),
-each summarised as mean, std, t = mean / (std / √n), n = rows. |t| ≫ 3 means a systematic (signed) bias.
-`bias_table` measures several implementations on the same rows (`Rows`: inputs and reference, built once per
-case; `bias_of` measures one implementation on them). Works on CPU and CUDA; the inputs are drawn on the CPU
-from `seed`, so every device sees the same rows. A kernel's own δ comes from its stored O the same way (up to
-its fp32 summation), so δ here is the one its backward would use.
+A `Case` describes a family of score rows (unique max, exact ties, near ties, random, huge logits) and of
+value columns; `adversarial_inputs` turns it into bf16 q, k, v and an fp32 dO whose scaled scores are those
+rows. `bias_of(impl, rows)` measures one implementation (a callable f(q, k, v) -> o or a backend name)
+against the float64 reference, `bias_table` several on the same rows: mean, std and t of the per-row O and δ
+errors. The construction and the statistics: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations

@@ -1,64 +1,11 @@
 """`lowprec experiment bias-noise`: when does a rounding bias in the W_Q gradient beat the batch noise?
 
-For a checkpoint of a recorded run, on the run's own batches, per layer and head: the W_Q gradient G_lp with
-each low-precision attention spec under test and G_hp with a high-precision one (default: the emulator with
-every rounding point off and δ from the unrounded O), the same weights and batch for all. Per head, over the
-batches (`bias_noise`):
-
-  b        = mean of G_lp - G_hp                 the systematic part (a head_dim x n_embd matrix)
-  R        = u1 v1^T, the top singular pair of b  the shared direction; rank1 = σ1² / Σσ² (1: exactly rank 1;
-             b holds the noise's mean too, so this is a bound)
-  R_-i     = the same from the batches other than i: every projection below is cross-fitted, batch i on
-             R_-i, so that the noise cannot choose its own direction (fitted on the same batches, pure
-             noise in a 64 x 384 slice has t ~ 28 along its top singular direction)
-  bias_norm = mean over batches of <G_lp - G_hp, R_-i>: the bias along R (about 0 without one)
-  t        = that mean / its standard error; `biased` when |t| >= analysis.BIASED_T (otherwise b is not told
-             apart from noise, and the numbers below are only bounds). t > 0 when there is a bias: R_-i
-             follows the bias's own sign.
-  noise    = std over batches of <G_hp, R_-i>     the gradient's own batch noise along R at this batch size
-  critical_tokens = tokens per batch x (noise / bias_norm)²: the batch size at which the bias along R equals
-             the noise (noise falls as 1/sqrt(tokens); the bias does not)
-  Adam (from the checkpoint's optimizer state v, bias-corrected, and eps): drift = mean of <(G_lp - G_hp) /
-  (sqrt(v) + eps), R_-i> per unit learning rate per step, walk = std over batches of <G_hp / (sqrt(v) + eps),
-  R_-i>; after n steps the drift is n * drift and the random walk sqrt(n) * walk * sqrt(tokens per batch /
-  tokens per step), so the drift overtakes it after steps_to_drift = (walk / drift)² * (tokens per batch /
-  tokens per step) steps.
-
-Across checkpoints, `alignment` is |cos| between each head's R at successive checkpoints (a shared R is the
-paper's Fig. 4). The same statistics for W_K's gradient (the other factor of a logit q . k) are kept per
-head under `heads_k` (without `sources` or `alignment`).
-
-Where R comes from (`--keys-batches N`, the first N of the same batches; 0: off): one no-grad forward per
-batch with the high-precision spec keeps each layer's attention input X, q and k; per head, P is the float64
-softmax of the causal scores (soft-capped if the model caps) and M = Σ_T (PK)[T]^T X[T] the mean rank-1 term,
-summed over the N batches (`head_sources`, with lowrank's definitions). Per checkpoint, `sources` (per layer
-and head) holds:
-
-  key0_share      share of key position 0 (the usual attention sink) in M (`lowrank.key_shares`; the shares of
-                  all positions add up to 1)
-  top_share, top_position   the share of largest magnitude and its key position
-  half_positions  the fewest key positions (largest shares first) whose shares add up to 1/2 or more (1: one
-                  key holds half of M)
-  mean_key_cos, mean_input_cos, pk_energy   `lowrank.mean_alignment`: |cos| of M's top left singular vector
-                  with the mean key k̄, of its top right one with the mean input x̄, and the share of ‖PK‖²
-                  along k̄
-  dominant_rows   share of query rows whose largest weight is at least DOMINANT
-  early_dominant_rows   share of query rows whose largest weight, at least DOMINANT, sits on a key in an
-                  earlier TILE-key tile than the query's own: the rows where a running row sum kept in bf16
-                  adds the later tiles' small sums to a large one (chapter 3: it rounds them away or up)
-
-and each spec's head holds r_key_cos = |cos(u1, k̄)| and r_input_cos = |cos(v1, x̄)| for its R = u1 v1^T
-(`r_alignment`): both near 1 when the error's direction is the mean key x the mean input (a shared offset of
-every key and token); a sink shows as key0_share (or top_share) near 1 with half_positions 1. It also holds
-the forward pass's normalisation error under that spec's rounding (`norm_errors`, on the same q and k):
-
-  norm_error      mean over query rows of O / O_exact - 1 for V = 1, i.e. sum(P̄) / l̃ - 1 with P̄ the weights
-                  that enter P̄V and l̃ the row sum as kept (positive: every row's O too large); 0 without
-                  rounding, chapter 5's mismatch for fa2, the swamped running sum for a bf16 row sum
-  norm_error_t    its t over the sequences (each sequence's mean over its rows is one sample)
-(None for specs without a precision or with "ones" weights, and for soft-capped models).
-
-The record (JSON) keeps every number; the table prints the heads with the largest |t|.
+For a checkpoint of a recorded run, on the run's own batches, per layer and head: the W_Q (and W_K) gradients
+with each low-precision attention spec under test against a high-precision one, the same weights and batch
+for all. `bias_noise` gives one head's statistics (the bias along its shared direction R, cross-fitted, its t,
+the batch noise, the critical batch size, the Adam steps to drift), `criterion_probe` the same in the
+positive control; with `--keys-batches` the record also says which keys R is made of. Every statistic and
+record key: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -74,6 +21,15 @@ from lowprec.attention import AttentionSpec, emulated_attention
 from lowprec.checkpoint import load_checkpoint
 from lowprec.configs import TrainConfig, apply_overrides
 from lowprec.data import sample_batch
+from lowprec.instruments.control import (
+    ControlConfig,
+    control_batch,
+    cos,
+    make_problem,
+    single_thread,
+    step,
+    treatment_precision,
+)
 from lowprec.instruments.lowrank import key_shares, mean_alignment
 from lowprec.model import GPT
 from lowprec.runs import load_run, provenance, write_json
@@ -88,7 +44,7 @@ TILE = 64  # key tile width of the explode arms' kernels (tile=64)
 
 @dataclass
 class HeadBias:
-    """`bias_noise` for one head (module docstring)."""
+    """`bias_noise` for one head (its statistics: the appendix)."""
 
     bias_norm: float
     rank1: float
@@ -142,6 +98,29 @@ def bias_noise(g_lp: torch.Tensor, g_hp: torch.Tensor, tokens_per_batch: int, to
         steps = (walk / drift) ** 2 * tokens_per_batch / tokens_per_step if drift > 0 else math.inf
     stats = HeadBias(bias, energy, t, abs(t) >= BIASED_T, noise, critical, drift, walk, steps)
     return stats, r
+
+
+@single_thread()
+def criterion_probe(cfg: ControlConfig, placement: str, treatment: str, batches: int = 100) -> dict:
+    """`bias_noise` in the positive control at its initial weights: a treatment's W_Q gradients against
+    float64 attention's on the same batches, with Adam's v estimated as the mean square of the float64
+    gradient (what v settles to; its median square root is returned as sqrt_v_median); tokens per step = one
+    batch."""
+    precision, fix = treatment_precision(placement, treatment, cfg.beta)
+    prob = make_problem(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    grads: dict[str, list[torch.Tensor]] = {"lp": [], "hp": []}
+    for _ in range(batches):
+        batch = control_batch(cfg, prob, gen)
+        for key, (prec, fx) in (("lp", (precision, fix)), ("hp", (None, None))):
+            w = prob.w0.clone().requires_grad_(True)
+            step(cfg, prob, w, batch, prec, fx)
+            grads[key].append(w.grad.detach().clone())
+    g_lp, g_hp = torch.stack(grads["lp"]), torch.stack(grads["hp"])
+    tokens = cfg.batch * cfg.seq
+    v = (g_hp.double() ** 2).mean(0)
+    stats, r = bias_noise(g_lp, g_hp, tokens, tokens, adam_v=v, eps=cfg.adam_eps)
+    return stats.to_dict() | {"r_cos": abs(cos(r, prob.r)), "sqrt_v_median": float(v.sqrt().median())}
 
 
 def _rows(model: GPT, weight: torch.Tensor, part: str) -> torch.Tensor:
@@ -201,7 +180,7 @@ def attention_inputs(model: GPT, idx: torch.Tensor, autocast) -> list[tuple[torc
 
 def head_sources(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor) -> dict:
     """Where one head's mean rank-1 term M = Σ_T (PK)[T]^T X[T] comes from, and how many of its rows one key
-    dominates (module docstring: key0_share, top_share, top_position, half_positions, mean_key_cos,
+    dominates (the appendix: key0_share, top_share, top_position, half_positions, mean_key_cos,
     mean_input_cos, pk_energy, dominant_rows, early_dominant_rows).
 
     p: (B, T, N) probabilities (causal: query t sees keys 0..t), k: (B, N, D) keys, x: (B, T, C) attention
@@ -236,7 +215,7 @@ def layer_sources(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def norm_errors(q: torch.Tensor, k: torch.Tensor, spec: AttentionSpec) -> list[dict]:
-    """Per head of one layer: `spec`'s normalisation error (module docstring: norm_error, norm_error_t) on
+    """Per head of one layer: `spec`'s normalisation error (norm_error, norm_error_t) on
     causal attention over q, k (B, H, T, D), from the emulator with V = 1 and the output kept in fp32."""
     heads = q.shape[1]
     if spec.precision is None or spec.precision.weights.mode == "ones":
@@ -259,7 +238,7 @@ def r_alignment(r: torch.Tensor, k_mean: torch.Tensor, x_mean: torch.Tensor) -> 
 
 def measure(run_dir: Path, checkpoints: list[Path], specs: list[str], hp: str, batches: int,
             batch_size: int | None, overrides: list[str], keys_batches: int = 0) -> dict:
-    """The record of `lowprec experiment bias-noise` (module docstring)."""
+    """The record of `lowprec experiment bias-noise` (its keys: the appendix)."""
     run = load_run(run_dir)
     cfg = apply_overrides(TrainConfig.from_dict(run.config), overrides)
     if batch_size is not None:
@@ -370,7 +349,7 @@ def format_table(record: dict, rows: int = 8) -> str:
     """The heads with the largest |t| per checkpoint and spec, for W_Q and (records that have it) W_K; with
     `sources` in the record, six more W_Q columns: key position 0's share of the mean term M, the share of
     early-dominated rows, |cos| of R's u1 with the mean key and of its v1 with the mean input, the
-    normalisation error in % and its t (records made before a column existed: -)."""
+    normalisation error in % and its t (a record without a column: -)."""
     lines = []
     for entry in record["checkpoints"]:
         sources = entry.get("sources")

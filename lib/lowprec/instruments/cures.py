@@ -1,22 +1,10 @@
 """Cures of flash attention's rounding bias, measured on one harness (the book's chapter 5).
 
-- Rows (`cure_rows`, `Family`, `FAMILIES`): the bias harness's adversarial rows (`instruments.bias`: a
-  `Case` gives the score pattern and V's mean) with the row maximum r drawn continuously, snapped to the bf16
-  grid, or set to given values. The softmax scale is `SCALE` = 1/8, a power of two, so that a maximum on the
-  bf16 grid is exactly that fp32 score in the kernel (with 1/sqrt(d) it would be rounded again).
-- Cures (`Cure`, `CURES`): a precision string and a Fix; `Cure.impl` is the harness's f(q, k, v) -> o. A cure
-  whose output point is unrounded ("fa2:output=none") changes only the O the backward's δ uses (the stored O
-  is still cast to q's dtype), so the harness measures that fp32 O: the same forward on fp32 copies of the
-  inputs, with every "input" rounding point pinned to the inputs' format.
-- The Fix's own bias (`top_weight_error`, `failure_map`): with ties at a row maximum r > 0 the Fix's largest
-  weight is exp(-(beta-1) r), rounded like every P̄; `failure_map` measures t(O), t(δ) of rows whose maximum
-  is exactly r, over a grid of beta and r.
-- Positive control (`run_cure`): `positive_control.run_arm` for any Cure (same init, data, optimizer and
-  summary numbers: drift along R, collapse, task lost), without the per-step gradient telemetry.
-- On the GPU (`lowprec measure cures --out DIR`): every cure's bias on every family with our Triton kernel
-  (`Cure.impl(kernel=True)`, 64 x 64 tiles as the emulator's default) and its cost, fwd and fwd+bwd against
-  plain fa2, timed interleaved in one process (`bench_attention.bench_config`); `DIR/cures.json`.
-  `--smoke` runs tiny sizes on a CPU through Triton's interpreter.
+`cure_rows` and `FAMILIES` give the bias harness's adversarial rows with chosen row maxima; a `Cure` (of
+`CURES`) is a precision string and a Fix, `cure_table` its bias on every family; `failure_map` the Fix's own
+bias; `train_cure` trains the positive control with a cure, `train_key` any run of its records by key;
+`lowprec measure cures --out DIR` (`--smoke` on a CPU) measures every cure through our Triton kernel with its
+cost. The methods are in the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -45,9 +33,9 @@ from lowprec.instruments.bias import (
     format_table,
     target_scores,
 )
-from lowprec.instruments.positive_control import ControlConfig, single_thread, train_w_q
+from lowprec.instruments.control import ControlConfig, single_thread, train_treatment, train_w_q
 
-SCALE = 0.125  # softmax scale of the cure rows (a power of two: module docstring)
+SCALE = 0.125  # softmax scale of the cure rows: a power of two, so a bf16-grid maximum stays exact
 BF16 = FORMATS["bf16"]
 Maxima = str | float | Sequence[float]  # "continuous", "bf16", one value for all rows, or one per group
 
@@ -260,10 +248,19 @@ def failure_map(betas: Sequence[float], maxima: Sequence[float], case: Case | st
 
 
 @single_thread()
-def run_cure(cfg: ControlConfig, cure: Cure, optimizer: str = "adam") -> dict:
-    """The positive control (`positive_control.train_w_q`) with a cure's precision and Fix: the same
-    initialisation, data and summary as its arms. Returns {"series", "summary"}."""
+def train_cure(cfg: ControlConfig, cure: Cure, optimizer: str = "adam") -> dict:
+    """The positive control (`control.train_w_q`) with a cure's precision and Fix: the same initialisation,
+    data and summary as its treatments. Returns {"series", "summary"}."""
     return train_w_q(cfg, cure.precision, cure.fix, optimizer)
+
+
+def train_key(cfg: ControlConfig, key: str) -> dict:
+    """One positive-control run by its record key: "<placement>/<optimizer>/<treatment>" (placement "fp64"
+    for the reference) or "cure/<optimizer>/<cure name>"."""
+    placement, optimizer, name = key.split("/", 2)
+    if placement == "cure":
+        return train_cure(cfg, cure_by_name(name), optimizer)
+    return train_treatment(cfg, "fa2" if placement == "fp64" else placement, name, optimizer)
 
 
 # ------------------------------------------------------------------------------- `lowprec measure cures`
@@ -353,6 +350,7 @@ __all__ = [
     "pinned",
     "row_errors",
     "row_maxima",
-    "run_cure",
     "top_weight_error",
+    "train_cure",
+    "train_key",
 ]

@@ -1,37 +1,13 @@
 """`lowprec experiment explode`: train several attention arms x seeds side by side and record who explodes.
 
-One training process (`lowprec train`) per (arm, seed), spread over the visible GPUs (several processes per
-GPU share it), all with the same config, data and, per seed, the same initialisation and batch order. After
-`--minutes` every process still running gets SIGTERM, writes its checkpoint and ends "interrupted"; a run that
-explodes stops itself ("diverged": NaN, or a loss above diverge_factor x its minimum since warmup). The
-harness then writes `<out>/experiment.json`: the plan, the command, provenance, and per run its status,
-explosion step, tokens, time and the paper's signature (`signature`). Run records are `<out>/<arm>-s<seed>/`.
-
-Arms are short names for attention specs (`arm_spec`):
-  fa2            our Triton kernel, production rounding placement (P̄ and O in bf16)
-  paper64        the authors' all-bf16 placement (bf16 S, P̄, l, P̄V, running O) at 64-wide tiles, the widest
-                 our GPU kernel runs (the authors' code uses 512; Precision "paper" keeps 512). Records made
-                 before this name existed call this arm "paper".
-  fp32pv         P̄ not rounded: the P̄V product in fp32 (the paper's "P̄V in high precision" control)
-  paper64-fp32pv paper64 with P̄, the P̄V result and the running O unrounded (S, l and the stored O stay
-                 bf16): the paper's biased rounding removed, its other bf16 points kept (records before the
-                 rename: "paper-fp32pv")
-  bf16scores     paper64-fp32pv with the row sum in fp32: of the all-bf16 points only the scores (and the
-                 stored O) stay bf16, at 64-wide tiles
-  bf16rowsum     paper64-fp32pv with the scores in fp32: only the row sum (rounded after every 64-key tile)
-                 and the stored O stay bf16
-  onesK          fa2, but P̄ within 2^-(K+2) of 1 rounds to 1.0 (Precision "fa2:weights=e8mK@ones"): the
-                 paper's error, P̄ = 1 for near-maximal scores, with a wider window and nothing else
-  kbitK          fa2 with every P̄ rounded to K significand bits ("fa2:weights=e8mK")
-  <arm>-consistent  the same with l summed from the rounded P̄ that enter P̄V (norm=rounded; "fa2-consistent"
-                 is Precision "consistent"), chapter 5's rounded-weight normalisation
-  <arm>-fix      the same with the paper's Fix(beta=2) (its tie tolerance follows P̄'s format); last, e.g.
-                 "kbit3-consistent-fix"
-  attn-fp32      bf16 model, attention entirely in fp32 (math/dtype=float32, forward and backward), its
-                 output cast back to bf16
-  model-fp32     no bf16 anywhere: the whole model in fp32 (dtype=float32, no autocast, TF32 off), attention
-                 by "math" in fp32
-`--backend emulated` swaps the Triton kernel for the pure-PyTorch emulator (CPU tests).
+One `lowprec train` process per (arm, seed), spread over the visible GPUs, all with the same config, data and,
+per seed, the same initialisation and batch order; after `--minutes` the runs still going are stopped (each
+checkpoints). `<out>/experiment.json` holds the plan and, per run, its status, explosion step and signature;
+run records are `<out>/<arm>-s<seed>/`. An arm is a short name for an attention spec (`arm_spec`, `ARMS`):
+fa2, paper64, fp32pv, paper64-fp32pv, bf16scores, bf16rowsum, onesK, kbitK, each optionally with
+"-consistent", then "-fix"; and attn-fp32 (attention in fp32) and model-fp32 (no bf16 anywhere), which set
+more than the spec (`arm_overrides`). `--backend emulated` runs the emulator instead of the kernel. The arms:
+the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -55,7 +31,7 @@ from lowprec.attention.spec import backends_with
 from lowprec.configs import CONFIGS, get_config
 from lowprec.runs import check_target, metrics_file, provenance, write_json
 
-PLACEMENTS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
+ARMS = {"fa2": "fa2", "paper64": "paper:tile=64", "fp32pv": "fa2:weights=none",
               "paper64-fp32pv": "paper:tile=64,weights=none,product=none,accumulator=none",
               "bf16scores": "fa2:scores=input,weights=none,tile=64",
               "bf16rowsum": "fa2:weights=none,rowsum=input,tile=64"}
@@ -79,10 +55,10 @@ def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
     match = re.fullmatch(r"(ones|kbit)(\d)", base)
     if match:
         precision = f"fa2:weights=e8m{match[2]}" + ("@ones" if match[1] == "ones" else "")
-    elif base in PLACEMENTS:
-        precision = PLACEMENTS[base]
+    elif base in ARMS:
+        precision = ARMS[base]
     else:
-        raise ValueError(f"unknown arm {arm!r}: use {', '.join(PLACEMENTS)}, onesK or kbitK "
+        raise ValueError(f"unknown arm {arm!r}: use {', '.join(ARMS)}, onesK or kbitK "
                          "(K = 1..9 significand bits), optionally with '-consistent', then '-fix'; or "
                          f"{', '.join(FP32_ARMS)}")
     if consistent:
@@ -108,7 +84,7 @@ def arm_of(spec: AttentionSpec | str, dtype: str = "bfloat16") -> str:
         return fp32
     if spec.fix not in (None, FIX) or spec.backend not in FIX_BACKENDS:
         raise ValueError(f"no explode arm runs {str(spec)!r}")
-    bases = [*PLACEMENTS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
+    bases = [*ARMS, *(f"{kind}{bits}" for kind in ("ones", "kbit") for bits in range(1, 10))]
     bases += [b + CONSISTENT for b in bases]
     base = next((b for b in bases if arm_spec(b, spec.backend) == spec.with_fix(None)), None)
     if base is None:

@@ -3,29 +3,9 @@
     lowprec measure suite --out DIR          # on a CUDA machine (~4 min on one H200)
     lowprec measure suite --out DIR --smoke  # on a CPU, via Triton's interpreter (<1 min)
 
-Sections, each case in its own try/except, results rewritten to DIR/gpu_suite.json after every case:
-  bias         our Triton kernel (Fix off / on), the fa2 emulator and torch SDPA's flash, cuDNN,
-               memory-efficient and math backends on the adversarial rows of lowprec.instruments.bias (unique
-               max, exact ties, near-ties within 1e-3, same-sign V at two means, huge logits, random): mean
-               error and t for O and δ = rowsum(dO ∘ O) against float64. SDPA backends that cannot run are
-               recorded with the reason.
-  correctness  the Triton kernel, forward and backward, for every compiled variant in VARIANTS (bf16 at head
-               dims 16, 32, 64, 80, 128, 160, 256; fp16 at 32, 128, 256; fp32 at 16, 64; causal or not; Fix
-               on/off) at two sequence lengths each (1 to 1024, odd and even), two other tile shapes, large
-               logits with exact ties, grouped-query and multi-query heads, Nq != Nk both ways, transposed
-               (B, N, H, D) views, rounded-weight normalisation, and one launch of B·H = 70,000 (batch x
-               heads beyond CUDA's 65,535 grid rows); against float64 with FlashAttention's rule: the
-               kernel's max error must be <= 2x the max error of a baseline (plain attention in the input
-               dtype) + fp32 rounding noise.
-  fuzz         >= 1,000 random configurations over the same compiled variants (batch, query heads and
-               key/value heads (GQA, MQA), Nq and Nk from 1 to 1100 each (odd and even, equal or not), logit
-               scale, injected exact ties, same-sign V, the Fix, fp16 / bf16 / fp32, strided views) under the
-               same rule; failures are counted and their configs recorded.
-A failed check (correctness or fuzz) is run again with torch SDPA's flash and memory-efficient kernels in
-place of ours (`check_kernel`, recorded under "sdpa"): whether the production kernels fail the same check.
-The kernels run at fixed 64 x 64 tiles (no autotuning) and do not specialise on sizes, so the correctness
-and fuzz run compiles each variant once (~90 kernels, ~1 s each); inputs and the float64 reference are
-computed on the device.
+Sections `bias`, `correctness` and `fuzz`, each case in its own try/except, DIR/gpu_suite.json rewritten after
+every case; a failed check runs again with torch SDPA's kernels. What each section measures: the book's
+appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -139,15 +119,8 @@ def grads_of(fn, q, k, v, do) -> list[torch.Tensor]:
 def check(c: Check, seed: int, device: str, sdpa_backend: str | None = None) -> dict:
     """Max errors of the Triton kernel (or, with `sdpa_backend`, of that torch SDPA kernel in its place) and
     of a baseline vs float64, and whether FlashAttention's rule holds for o, dq, dk and dv: kernel error <=
-    2 x (baseline error + the fp32 rounding noise at the reference's magnitude, |ref + 0.3 - 0.3 - ref| as in
-    FlashAttention-3's tests).
-
-    Baseline: plain attention in the input dtype for bf16 / fp16 (FlashAttention's choice). For fp32 inputs
-    plain fp32 attention is more accurate than any flash backward that recomputes P from the logsumexp, so
-    the baseline is a flash algorithm in fp32: torch SDPA's memory-efficient kernel on a GPU (hardware
-    accumulation order, like ours), the emulator (exactly rounded ops) on a CPU. Where the reference is
-    exactly zero (dQ, dK of a single key: softmax of one score has no gradient) the noise is instead the fp32
-    rounding of the δ - dP cancellation, 2^-23 · D · max|dO| · max|V| · max|K| (or |Q|) / sqrt(D)."""
+    2 x (baseline error + the fp32 rounding noise at the reference's magnitude). The baseline and the noise
+    where the reference is zero: the appendix."""
     q, k, v, do = make_inputs(c, seed, device)
     fix = Fix() if c.fix else None
     blocks = {"block_m": c.blocks[0], "block_n": c.blocks[1]}
@@ -163,9 +136,9 @@ def check(c: Check, seed: int, device: str, sdpa_backend: str | None = None) -> 
         v.double(),
         do.double(),
     )
-    if c.dtype != "fp32":
+    if c.dtype != "fp32":  # FlashAttention's baseline: plain attention in the input dtype
         baseline_name, baseline = "plain", functools.partial(math_attention, causal=c.causal)
-    elif device == "cuda":
+    elif device == "cuda":  # fp32: a flash algorithm (plain fp32 attention beats any that recomputes P)
         baseline_name = "sdpa-efficient"
         baseline = functools.partial(attention, backend="sdpa", causal=c.causal, sdpa_backend="efficient")
     else:
@@ -176,12 +149,12 @@ def check(c: Check, seed: int, device: str, sdpa_backend: str | None = None) -> 
     names = ("o", "dq", "dk", "dv")
     err = {n: (a.double() - e).abs().max().item() for n, a, e in zip(names, kernel, exact, strict=True)}
     base_err = {n: (a.double() - e).abs().max().item() for n, a, e in zip(names, base, exact, strict=True)}
-    noise = {
+    noise = {  # fp32 rounding noise at the reference's magnitude, as FlashAttention-3's tests take it
         n: (e.float() + 0.3 - 0.3 - e.float()).abs().max().item() for n, e in zip(names, exact, strict=True)
     }
     zero_reference = [n for n, e in zip(names, exact, strict=True) if not e.any()]
     amax = {name: t.abs().max().item() for name, t in (("q", q), ("k", k), ("v", v), ("do", do))}
-    for n in zero_reference:
+    for n in zero_reference:  # dQ, dK of a single key are 0: the noise of the δ - dP cancellation instead
         other = amax["k"] if n == "dq" else amax["q"]
         noise[n] = 2.0**-23 * math.sqrt(c.head_dim) * amax["do"] * amax["v"] * other
     ratio = {n: _ratio(err[n], base_err[n] + noise[n]) for n in names}

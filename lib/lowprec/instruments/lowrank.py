@@ -2,25 +2,10 @@
 sum is the W_Q gradient error (Eq. 2), how alike they are across tokens and steps, how close the error is to
 rank 1, and which keys build the shared direction R.
 
-Definitions, the same everywhere (and lowprec.telemetry's for recorded runs); P is the exact softmax (float64)
-of the attention on the bf16 q, k, δerr[T] = (δ_lp − δ_hp)[T] = dO[T]·(O_lp − O_hp)[T]:
-- token similarity (`telemetry.rank1_terms`, "rank1_cos"): mean cosine over pairs of tokens T != T' of one
-  sequence of the flattened terms (PK)[T]^T X[T], averaged over sequences;
-- mean term Σ_T (PK)[T]^T X[T] / rows; its cosine with the previous sample's is the step similarity
-  ("rank1_cos_prev");
-- δ-weighted term Σ_T δerr[T] (PK)[T]^T X[T] (α times it is −(dW_Q,lp − dW_Q,hp) when only δ differs);
-  its cosine with the previous sample's is "delta_term_cos_prev": +1 when the δ error keeps one sign and the
-  terms share one direction, ±1 at random when the direction is shared but the sign is not, 0 when neither;
-- key shares (`key_shares`): the term sum M = Σ_T w[T] (PK)[T]^T X[T] is a sum over keys j of K[j]^T
-  (Σ_T w[T] P[T, j] X[T]); the share of key position j is that part's component along M, ⟨·, M⟩ / ‖M‖²
-  (the shares add up to 1): which keys R is made of; `mean_alignment`: how much R is the outer product of
-  the mean key and the mean input (a shared offset of every key and every token, wherever attention goes).
-
-Sources: the telemetry of recorded runs (`run_similarity`, reads records only); the positive control
-(`control_weights` replays a training run of positive_control and returns W_Q at chosen steps,
-`control_terms` the tensors of the analysis at one W_Q); a tiny language model trained here on CPU with the
-project's trainer on the committed sample (`train_tiny_lm`, `lm_terms`); and adversarial rows of the bias
-harness, for the per-key decomposition of the output error (`key_errors`).
+Sources: recorded runs' telemetry (`run_similarity`, records only), the positive control (`control_weights`,
+`control_terms`), a tiny language model trained here on the CPU (`train_tiny_lm`, `lm_terms`) and the bias
+harness's adversarial rows (`key_errors`). The definitions are in the book's appendix "Methods and record
+formats".
 """
 
 from __future__ import annotations
@@ -37,15 +22,15 @@ from lowprec.attention.plan import plan_call
 from lowprec.attention.precision import round_weights
 from lowprec.configs import TrainConfig
 from lowprec.data import sample_batch as lm_batch
-from lowprec.instruments.positive_control import (
+from lowprec.instruments.control import (
     ADAM_BETAS,
     Batch,
     ControlConfig,
-    arm_precision,
+    control_batch,
     loss_parts,
     make_problem,
-    sample_batch,
     single_thread,
+    treatment_precision,
 )
 from lowprec.model import GPT, GPTConfig
 from lowprec.runs import Run, load_run
@@ -69,7 +54,7 @@ def telemetry_array(run: Run, name: str) -> tuple[list[int], torch.Tensor]:
 
 @dataclass(frozen=True)
 class RunSimilarity:
-    """The three similarities of one run over a window of its telemetry samples (module docstring).
+    """The three similarities of one run over a window of its telemetry samples (the appendix defines them).
 
     mean: (layers, 3) mean over heads and samples of SIMILARITIES, in that order; abs_delta: (layers,) mean of
     |delta_term_cos_prev|; head_t: (layers, heads) t of delta_term_cos_prev over the samples (ErrorStats);
@@ -115,7 +100,7 @@ def run_similarity(run: Run, start: float = 0.5, before: int | None = None) -> R
 def key_shares(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor,
                weights: torch.Tensor | None = None) -> torch.Tensor:
     """(heads, N): the share of each key position in M = Σ_T w[T] (PK)[T]^T X[T], summed over the batch:
-    ⟨K[j]^T Σ_T w[T] P[T, j] X[T], M⟩ / ‖M‖² (module docstring); the shares of a head add up to 1.
+    ⟨K[j]^T Σ_T w[T] P[T, j] X[T], M⟩ / ‖M‖²; the shares of a head add up to 1.
 
     p: (B, H, T, N), k: (B, H, N, D), x: (B, T, C), weights: (B, H, T) (None: all 1, the mean term)."""
     p64, x64 = p.double(), x.double()
@@ -163,12 +148,12 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------- the control
 
 
-def _lp_loss(cfg: ControlConfig, w: torch.Tensor, batch: Batch, placement: str, arm: str):
-    """The arm's loss on one batch, as positive_control.step computes it, with its bf16 q and O (their grads
+def _lp_loss(cfg: ControlConfig, w: torch.Tensor, batch: Batch, placement: str, treatment: str):
+    """The treatment's loss on one batch, as control.step computes it, with its bf16 q and O (their grads
     are kept) and the forward's AttentionStats."""
-    precision, fix = arm_precision(placement, arm, cfg.beta)
+    precision, fix = treatment_precision(placement, treatment, cfg.beta)
     if precision is None:
-        raise ValueError("the low-rank analysis compares a rounded arm with float64; arm must not be "
+        raise ValueError("the low-rank analysis compares a rounded run with float64; treatment must not be "
                          "'reference'")
     q_lp = (batch.x @ w.T)[:, None].bfloat16()
     q_lp.retain_grad()
@@ -179,9 +164,9 @@ def _lp_loss(cfg: ControlConfig, w: torch.Tensor, batch: Batch, placement: str, 
     return task + bias, q_lp, o, stats
 
 
-def control_weights(cfg: ControlConfig, placement: str = "fa2", arm: str = "lowp",
+def control_weights(cfg: ControlConfig, placement: str = "fa2", treatment: str = "lowp",
                     at: tuple[int, ...] = (0, 300)) -> dict[int, torch.Tensor]:
-    """W_Q after s Adam updates for each s in `at`, replaying positive_control.run_arm (same init, data stream
+    """W_Q after s Adam updates for each s in `at`, replaying control.train_treatment (same init, data stream
     and arithmetic; its per-step float64 telemetry does not touch W_Q's gradient, so it is left out)."""
     if not at or min(at) < 0:
         raise ValueError(f"at must hold steps >= 0, got {at}")
@@ -193,27 +178,27 @@ def control_weights(cfg: ControlConfig, placement: str = "fa2", arm: str = "lowp
     with single_thread():
         for step in range(1, max(at) + 1):
             opt.zero_grad()
-            _lp_loss(cfg, w, sample_batch(cfg, prob, gen), placement, arm)[0].backward()
+            _lp_loss(cfg, w, control_batch(cfg, prob, gen), placement, treatment)[0].backward()
             opt.step()
             if step in at:
                 out[step] = w.detach().clone()
     return out
 
 
-def control_terms(cfg: ControlConfig, w: torch.Tensor, placement: str = "fa2", arm: str = "lowp",
+def control_terms(cfg: ControlConfig, w: torch.Tensor, placement: str = "fa2", treatment: str = "lowp",
                   batches: int = 4, seed: int = ANALYSIS_SEED) -> dict[str, torch.Tensor]:
     """The control's tensors at weights w on `batches` fresh batches (a stream apart from training), each
     with a leading batches dimension: x (B, N, C); p, the exact softmax (B, 1, N, N); k, v, dO and the
     output error O_lp − O_hp (B, 1, N, D); delta_err (B, 1, N); the W_Q gradients g_lp and g_hp (D, C), the
-    rounded arm's and float64 attention's on the same bf16 q, k, v; pbar_ones (P̄ = 1 entries per row)."""
+    rounded run's and float64 attention's on the same bf16 q, k, v; pbar_ones (P̄ = 1 entries per row)."""
     prob = make_problem(cfg)
     gen = torch.Generator().manual_seed(seed)
     rows: dict[str, list[torch.Tensor]] = {}
     with single_thread():
         for _ in range(batches):
-            batch = sample_batch(cfg, prob, gen)
+            batch = control_batch(cfg, prob, gen)
             loss, q_lp, o, stats = _lp_loss(cfg, w.detach().clone().requires_grad_(True), batch, placement,
-                                            arm)
+                                            treatment)
             loss.backward()
             k64, v64 = batch.k.double(), batch.v.double()
             qh = q_lp.detach().double().requires_grad_(True)

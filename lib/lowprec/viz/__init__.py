@@ -1,14 +1,9 @@
 """Figures and explorers for the book. Call `setup()` once at the top of every chapter.
 
-plotly 7's default renderer under a kernel emits only the plotly mimetype, which the book build (myst-nb)
-drops, so the figures would be silently missing. `setup()` registers a "book" renderer that emits an HTML
-div without its own plotly.js or MathJax (the `_ext/plotly_offline` Sphinx extension serves plotly.min.js
-once, from the plotly package) and selects it when BOOK_BUILD=1 (set by `make book`); elsewhere, e.g. in
-JupyterLab, figures keep plotly's native mimetype.
-
-The house style is the "book" template (plotly_white with a longer list of distinct colours, so that a figure
-with up to 20 traces repeats none, and a horizontal legend at the bottom of the figure, below the x axis
-title, so that it never covers the data). A figure that places its legend elsewhere gives its yref too.
+`setup()` registers the "book" renderer: under BOOK_BUILD=1 (set by `make book`) a figure is an HTML div
+without its own plotly.js or MathJax (the `_ext/offline_site.py` Sphinx extension serves one shared
+plotly.min.js), since the build drops plotly's own mimetype; elsewhere, e.g. in JupyterLab, figures keep that
+mimetype. The "book" template is plotly_white with 20 distinct colours and the legend below the x axis title.
 """
 
 from __future__ import annotations

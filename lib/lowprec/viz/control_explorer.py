@@ -22,8 +22,8 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lowprec.instruments.cures import CURES, Cure, cure_by_name, run_cure
-from lowprec.instruments.positive_control import ARMS, OPTIMIZERS, PLACEMENTS, ControlConfig, run_arm
+from lowprec.instruments.control import FP32_PV, OPTIMIZERS, TREATMENTS, ControlConfig, train_treatment
+from lowprec.instruments.cures import CURES, Cure, cure_by_name, train_cure
 from lowprec.viz.panels import LivePanel, add_menu_and_slider, dropdown, sig
 
 ARM_COLOURS = {"lowp": "#d62728", "fix": "#1f77b4", "fp32pv": "#2ca02c", "reference": "#7f7f7f"}
@@ -39,14 +39,14 @@ Trained = Mapping[ControlConfig, Mapping[str, dict]]  # recorded runs: config ->
 
 @functools.lru_cache(maxsize=64)
 def cached_arm(cfg: ControlConfig, placement: str, arm: str, optimizer: str) -> dict:
-    """run_arm, remembered (the reference arm of a setting is shared by every other arm)."""
-    return run_arm(cfg, placement, arm, optimizer)
+    """train_treatment, remembered (the reference arm of a setting is shared by every other arm)."""
+    return train_treatment(cfg, placement, arm, optimizer)
 
 
 @functools.lru_cache(maxsize=32)
 def cached_cure(cfg: ControlConfig, cure: Cure, optimizer: str) -> dict:
-    """run_cure, remembered."""
-    return run_cure(cfg, cure, optimizer)
+    """train_cure, remembered."""
+    return train_cure(cfg, cure, optimizer)
 
 
 def cure_named(name: str, beta: float | None = None) -> Cure:
@@ -58,7 +58,7 @@ def cure_named(name: str, beta: float | None = None) -> Cure:
 
 
 def curves(run: dict) -> tuple[list[float], list[float]]:
-    """(drift along R, task loss / ceiling) per step of one run_arm result."""
+    """(drift along R, task loss / ceiling) per step of one train_treatment result."""
     s = run["series"]
     return s["w_r"], [t / c for t, c in zip(s["task_hp"], s["task_ceiling"], strict=True)]
 
@@ -91,8 +91,8 @@ def control_explorer(
     if cure is not None:
         cure_named(cure)  # a ValueError for an unknown name, here rather than in the panel
     boxes = {
-        "placement": dropdown("placement", PLACEMENTS, placement, width="160px"),
-        "arm": dropdown("arm", [(ARM_NAMES[a], a) for a in ARMS], arm, width="210px"),
+        "placement": dropdown("placement", tuple(FP32_PV), placement, width="160px"),
+        "arm": dropdown("arm", [(ARM_NAMES[a], a) for a in TREATMENTS], arm, width="210px"),
         "cure": dropdown("cure", [("none: the arm", None), *((c.name, c.name) for c in CURES)], cure,
                          width="230px"),
         "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer, width="160px"),

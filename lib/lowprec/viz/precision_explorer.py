@@ -32,13 +32,12 @@ from plotly.subplots import make_subplots
 from lowprec.analysis import BIASED_T
 from lowprec.attention.emulated import emulated_attention
 from lowprec.attention.fix import FIX_VARIANTS, TIE_SCOPES, Fix
-from lowprec.attention.precision import POINTS, Precision, Rounding
+from lowprec.attention.precision import PLACEMENTS, POINTS, Precision, Rounding
 from lowprec.instruments.bias import CASES, NEAR_WINDOW, SEQ, BiasResult, Case, Rows, bias_of
 from lowprec.instruments.cures import FAMILIES as CURE_FAMILIES
 from lowprec.instruments.cures import SCALE, Family
 from lowprec.viz.panels import LivePanel, add_menu_and_slider, dropdown, sig
 
-PLACEMENTS = ("fa2", "paper", "fp32", "consistent")
 FORMATS = (  # a point's format in the panel: (label, Rounding format name; None: the placement's own)
     ("placement's own", None),
     *((name, name) for name in ("input", "bf16", "fp16", "e8m3", "e8m2", "fp8_e4m3", "fp8_e5m2")),
@@ -244,7 +243,7 @@ def precision_explorer(rows: int = 1024, setting: Setting = Setting()) -> LivePa
     slider = {"continuous_update": False, "style": {"description_width": "initial"},
               "layout": {"width": "300px"}}
     boxes = {
-        "placement": dropdown("placement", PLACEMENTS, setting.placement, width="200px"),
+        "placement": dropdown("placement", tuple(PLACEMENTS), setting.placement, width="200px"),
         "tile": dropdown("tile", TILES, setting.tile, width="120px"),
     }
     for point in POINTS:

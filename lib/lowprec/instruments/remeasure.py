@@ -1,7 +1,7 @@
-"""Live re-measurement for the book's GPU chapters (their `RERUN` parameter cell): the same instruments as
-the recorded results, into a temporary folder, returned as records for the chapter to show beside the
-committed ones. `smoke=True` runs tiny sizes (on a CPU through Triton's interpreter), which is how the tests
-keep this path from rotting; on a GPU machine `smoke=False` re-measures at the recorded sizes."""
+"""Live re-measurement for the book's GPU chapters (their `REMEASURE` parameter cell): `chapterN(smoke)` runs
+the instruments behind chapter N's records into a temporary folder and returns the records, for the chapter to
+show beside the committed ones. `smoke=True` runs tiny sizes (on a CPU through Triton's interpreter; the
+tests do); on a GPU machine `smoke=False` re-measures at the recorded sizes."""
 
 from __future__ import annotations
 

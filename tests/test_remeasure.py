@@ -1,13 +1,13 @@
-"""The GPU chapters' re-run path (their RERUN parameter cell), at tiny sizes on the CPU so it cannot rot."""
+"""The GPU chapters' live re-measurement (their REMEASURE cell), at tiny sizes on the CPU so it cannot rot."""
 
 from __future__ import annotations
 
-from lowprec.instruments import rerun
+from lowprec.instruments import remeasure
 
 
-def test_chapter2_rerun_measures_bias_and_speed() -> None:
+def test_chapter2_remeasure_measures_bias_and_speed() -> None:
     """The GPU suite's bias section and the benchmark at toy sizes, through Triton's interpreter."""
-    live = rerun.chapter2(smoke=True)
+    live = remeasure.chapter2(smoke=True)
     suite = live["bias"]
     assert suite["provenance"]["git_commit"] and suite["errors"] == []
     assert {r["impl"] for r in suite["bias"]} >= {"triton", "triton+fix", "emulated-fa2"}
@@ -18,19 +18,19 @@ def test_chapter2_rerun_measures_bias_and_speed() -> None:
     assert all(r["fwd+bwd_tflops"] > 0 for r in live["bench"]["results"] if r["impl"].startswith("triton"))
 
 
-def test_chapter3_rerun_trains_both_arms() -> None:
-    live = rerun.chapter3(smoke=True)
+def test_chapter3_remeasure_trains_both_arms() -> None:
+    live = remeasure.chapter3(smoke=True)
     assert set(live) == {"paper64", "fa2"}
     for arm in live.values():
         assert arm["steps"][-1] == 19 and len(arm["layer1_logit"]) == len(arm["telemetry_steps"]) == 2
 
 
-def test_chapter4_rerun_trains_and_reads_the_key_sources() -> None:
+def test_chapter4_remeasure_trains_and_reads_the_key_sources() -> None:
     """A short run of the authors' placement with a checkpoint at its end, and the bias-noise key sources of
     layer index 1 on it (what chapter 4 reads from the lead's records)."""
     from lowprec.instruments.lowrank import SIMILARITIES
 
-    live = rerun.chapter4(smoke=True)
+    live = remeasure.chapter4(smoke=True)
     assert live["ckpt_step"] == 20 and live["steps"] == (10, 15) and live["wq_norm"] > 0
     assert set(live["similarity"]) == set(SIMILARITIES)
     assert all(-1 <= value <= 1 for value in live["similarity"].values())
@@ -39,12 +39,12 @@ def test_chapter4_rerun_trains_and_reads_the_key_sources() -> None:
         assert 0 < head["mean_key_cos"] <= 1 and head["half_positions"] >= 1
 
 
-def test_chapter5_rerun_measures_the_cures_through_the_kernel() -> None:
+def test_chapter5_remeasure_measures_the_cures_through_the_kernel() -> None:
     """Three cures through the kernel (Triton's interpreter here) on one family, bit-identical with the
     emulator's cure table on the same rows, and their cost against plain fa2."""
     from lowprec.instruments.cures import CURES, FAMILIES, cure_table
 
-    live = rerun.chapter5(smoke=True)
+    live = remeasure.chapter5(smoke=True)
     assert live["device"] == "cpu" and live["rows"] == 64 and not live["bias_errors"]
     names = ["none (fa2)", "Fix", "consistent"]
     assert [r["impl"] for r in live["bias"]] == names
