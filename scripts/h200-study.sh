@@ -7,12 +7,14 @@
 #                                  `lowprec experiment study` for what is left of M minutes, SLOTS runs at a time
 #                                  (default 1; four at once gave 1.12x the tokens/s of one alone)
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds, then packs (below)
-#   PHASE=pack                     $OUT/survival.tgz (the study's records, no checkpoints) and $OUT/repro.tgz
+#   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz
+# QUEUE (default results/explode/survival/queue.json) names the queue; its records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1
 WORK=${WORK:-/tmp/study}; DATA=data/gpt2-english+code
+QUEUE=${QUEUE:-results/explode/survival/queue.json}; NAME=$(basename "$(dirname "$QUEUE")")
 mkdir -p "$WORK"
 case "$PHASE" in
 unpack)
@@ -29,9 +31,9 @@ go)
     slots=${SLOTS:-1}
     left=$(( (end - $(date +%s)) / 60 - 1 ))
     echo "study: $left minutes, $slots at a time"
-    [ "$left" -gt 0 ] && python3 -m lowprec.cli experiment study --queue "${QUEUE:-results/explode/survival/queue.json}" \
-      --out "$work/survival" --minutes "$left" --slots "$slots"
-  ' go "$MINUTES" "$WORK" > "$WORK/go.log" 2>&1 < /dev/null &
+    [ "$left" -gt 0 ] && python3 -m lowprec.cli experiment study --queue "$3" --out "$work/$4" \
+      --minutes "$left" --slots "$slots"
+  ' go "$MINUTES" "$WORK" "$QUEUE" "$NAME" > "$WORK/go.log" 2>&1 < /dev/null &
   echo $! > "$WORK/go.pid"
   echo "started (pid $!)" ;;
 wait|pack)
@@ -41,7 +43,7 @@ wait|pack)
     tail -n 25 "$WORK/go.log"
   fi
   cd "$WORK" || exit 1
-  [ -d survival ] && tar czf "$OUT/survival.tgz" --exclude=checkpoint --exclude=writer.lock survival
+  [ -d "$NAME" ] && tar czf "$OUT/$NAME.tgz" --exclude=checkpoint --exclude=writer.lock "$NAME"
   [ -e reproducibility.json ] && tar czf "$OUT/repro.tgz" --exclude=checkpoint --exclude=writer.lock \
     reproducibility.json repro go.log
   ls -la "$OUT" ;;

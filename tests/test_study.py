@@ -22,15 +22,16 @@ def write_queue(folder, runs, horizon=12, estimate=1.0):
 
 def test_study_makes_every_planned_run_once_and_reports(tmp_path, capsys):
     runs = [{"arm": "model-fp32", "seed": 1}, {"arm": "attn-fp32", "seed": 1},
-            {"arm": "model-fp32", "seed": 2}]
+            {"arm": "model-fp32", "seed": 2, "tag": "lr1e-2", "overrides": ["lr=1e-2"]}]
     queue = write_queue(tmp_path / "home", runs)
     out = tmp_path / "out"
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5",
                          "--slots", "2"]) == 0
-    for name in ("model-fp32-s1", "attn-fp32-s1", "model-fp32-s2"):
+    for name in ("model-fp32-s1", "attn-fp32-s1", "model-fp32-lr1e-2-s2"):
         run = load_run(out / name)
         assert run.summary["status"] == "finished" and run.summary["steps"] == 12
         assert run.config["seed"] == int(name[-1]) and run.config["deterministic"]
+    assert load_run(out / "model-fp32-lr1e-2-s2").config["lr"] == 1e-2  # a grid cell's own override
     assert load_run(out / "model-fp32-s1").config["dtype"] == "float32"
     assert load_run(out / "attn-fp32-s1").config["model"]["attention"] == "math/dtype=float32"
     capsys.readouterr()
@@ -39,8 +40,9 @@ def test_study_makes_every_planned_run_once_and_reports(tmp_path, capsys):
     assert "start" not in capsys.readouterr().out
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--status"]) == 0
     report = capsys.readouterr().out
-    assert any(line.split()[:2] == ["model-fp32-s2", "done"] for line in report.splitlines())
-    assert any(line.startswith("model-fp32") and "0/2" in line for line in report.splitlines())
+    assert any(line.split()[:2] == ["model-fp32-lr1e-2-s2", "done"] for line in report.splitlines())
+    assert any(line.split()[:2] == ["model-fp32", "1"] and "0/1" in line for line in report.splitlines())
+    assert any(line.split()[:2] == ["model-fp32-lr1e-2", "1"] for line in report.splitlines())
 
 
 def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):

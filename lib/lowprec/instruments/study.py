@@ -1,7 +1,9 @@
 """`lowprec experiment study --queue Q --out DIR --minutes M`: make a queue's runs, each to its horizon.
 
 The queue (a JSON file, committed beside its records) names the recipe (a config and overrides), the horizon
-in steps, and the runs in the order they should be made: {"arm", "seed"} (arms as in `explode`). A run is done
+in steps, and the runs in the order they should be made: {"arm", "seed"} (arms as in `explode`), optionally
+with a "tag" and "overrides" of their own (a grid's cell, e.g. tag "lr4e-3" with ["lr=4e-3"]); a run's group
+is its arm and tag ("fa2-lr4e-3"), its record folder "<group>-s<seed>". A run is done
 when its record, in the queue's folder or in --out, reached the horizon or the stop rule; every other run is
 still planned, so the work picks up where it stopped. The runner starts planned runs in queue order, `--slots`
 at a time, each only if its expected time (the median of its arm's done runs, at least the queue's estimate,
@@ -45,15 +47,20 @@ def load_queue(path: str | Path) -> dict:
         raise ValueError(f"--queue {path}: config must be one of {sorted(CONFIGS)}, horizon an int >= 1")
     for item in queue["runs"]:
         arm_overrides(item["arm"])  # an unknown arm fails here
-        if item["arm"] not in queue["estimate_s"]:
-            raise ValueError(f"--queue {path}: no estimate_s for arm {item['arm']!r}")
+        if group(item) not in queue["estimate_s"] and item["arm"] not in queue["estimate_s"]:
+            raise ValueError(f"--queue {path}: no estimate_s for {group(item)!r} or its arm")
     return queue
 
 
-def run_overrides(queue: dict, arm: str, seed: int) -> list[str]:
-    """The `--set` items of one run: the recipe, the horizon, the seed and the arm's own."""
-    return [*queue["overrides"], f"max_iters={queue['horizon']}", f"seed={seed}", *arm_overrides(arm),
-            "progress=false"]
+def group(item: dict) -> str:
+    """A queued run's group: its arm, and its tag if it has one."""
+    return f"{item['arm']}-{item['tag']}" if item.get("tag") else item["arm"]
+
+
+def run_overrides(queue: dict, item: dict) -> list[str]:
+    """The `--set` items of one run: the recipe, the horizon, the seed, the arm's own and the run's own."""
+    return [*queue["overrides"], f"max_iters={queue['horizon']}", f"seed={item['seed']}",
+            *arm_overrides(item["arm"]), *item.get("overrides", []), "progress=false"]
 
 
 def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
@@ -73,38 +80,39 @@ def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
     return ("partial", seen) if seen else ("planned", None)
 
 
-def expected_s(queue: dict, arm: str, rows: list[dict]) -> float:
-    """Seconds one run of `arm` is expected to take: the median time of its done runs (+ START_S), at least
-    the queue's estimate."""
+def expected_s(queue: dict, row: dict, rows: list[dict]) -> float:
+    """Seconds one run of `row`'s group is expected to take alone: the median time of the group's done runs
+    (+ START_S), at least the queue's estimate for the group (or its arm)."""
     times = [load_run(r["folder"]).summary["time_s"] + START_S for r in rows
-             if r["arm"] == arm and r["state"] == "done"]
-    return max(queue["estimate_s"][arm], statistics.median(times) if times else 0.0)
+             if r["group"] == row["group"] and r["state"] == "done"]
+    estimate = queue["estimate_s"].get(row["group"], queue["estimate_s"].get(row["arm"]))
+    return max(estimate, statistics.median(times) if times else 0.0)
 
 
 def states(queue: dict, home: Path, out: Path | None) -> list[dict]:
     """Every queued run with its state and record folder (the queue's folder first, then --out)."""
     rows = []
     for item in queue["runs"]:
-        name = run_name(item["arm"], item["seed"])
+        name = run_name(group(item), item["seed"])
         state, folder = run_state([home / name] + ([out / name] if out else []), queue["horizon"])
-        rows.append({**item, "name": name, "state": state, "folder": folder})
+        rows.append({**item, "group": group(item), "name": name, "state": state, "folder": folder})
     return rows
 
 
 def status(queue: dict, home: Path, out: Path | None) -> str:
-    """A line per queued run, then per arm the runaway and explosion counts of the done runs."""
+    """A line per queued run, then per group the runaway and explosion counts of the done runs."""
     rows = states(queue, home, out)
-    lines = [f"{r['name']:<22} {r['state']:<8} {r['folder'] or ''}" for r in rows]
+    lines = [f"{r['name']:<28} {r['state']:<8} {r['folder'] or ''}" for r in rows]
     done: dict[str, list] = {}
     for r in rows:
         if r["state"] == "done":
-            done.setdefault(r["arm"], []).append(outcome(load_run(r["folder"]), queue["horizon"]))
+            done.setdefault(r["group"], []).append(outcome(load_run(r["folder"]), queue["horizon"]))
     table = survival_table(done, against=("fa2", "model-fp32"))
-    lines.append(f"\n{'arm':<16} {'runs':>4}  runaway (95% CI)        explosion (95% CI)       first layer")
-    for arm, row in table.items():
+    lines.append(f"\n{'group':<22} {'runs':>4}  runaway (95% CI)        explosion (95% CI)       first layer")
+    for name, row in table.items():
         cells = [f"{row[e]['events']}/{row['runs']} ({row[e]['interval'][0]:.2f}-{row[e]['interval'][1]:.2f})"
                  for e in ("runaway", "explosion")]
-        lines.append(f"{arm:<16} {row['runs']:>4}  {cells[0]:<23} {cells[1]:<23} {row['runaway']['layers']}")
+        lines.append(f"{name:<22} {row['runs']:>4}  {cells[0]:<23} {cells[1]:<23} {row['runaway']['layers']}")
     return "\n".join(lines)
 
 
@@ -130,12 +138,12 @@ def run(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.slots < 1:
         raise ValueError(f"--minutes must be > 0 and --slots >= 1, got {args.minutes} and {args.slots}")
     for item in queue["runs"]:  # a bad override fails here, before anything starts
-        get_config(queue["config"], run_overrides(queue, item["arm"], item["seed"]))
+        get_config(queue["config"], run_overrides(queue, item))
     every = states(queue, home, out)
     rows = [r for r in every if r["state"] != "done"]
     budget = args.minutes * 60
     # runs sharing the GPU each take about `slots` times as long (four at once: 1.12x the tokens/s of one)
-    expected = {arm: expected_s(queue, arm, every) * args.slots for arm in {r["arm"] for r in rows}}
+    expected = {r["name"]: expected_s(queue, r, every) * args.slots for r in rows}
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
@@ -148,18 +156,18 @@ def run(args: argparse.Namespace) -> int:
             for r in list(rows):
                 if len(running) >= args.slots:
                     break
-                if now + expected[r["arm"]] > budget:
+                if now + expected[r["name"]] > budget:
                     continue
                 rows.remove(r)
                 name = r["name"]
                 if args.dry_run:
-                    print(f"would start {name} (expected {expected[r['arm']]:.0f} s)")
+                    print(f"would start {name} (expected {expected[name]:.0f} s)")
                     running.append(name)
                     continue
                 folder = out / name
                 if folder.exists():  # a partial record of an earlier budget: the run starts over
                     shutil.rmtree(folder)
-                sets = run_overrides(queue, r["arm"], r["seed"])
+                sets = run_overrides(queue, r)
                 cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out",
                        str(folder), *(x for o in sets for x in ("--set", o))]
                 gpu = 0 if torch.cuda.is_available() else None
@@ -167,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                 procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)
                 started[name] = now
                 running.append(name)
-                print(f"[{now:5.0f}s] start {name} (expected {expected[r['arm']]:.0f} s)", flush=True)
+                print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
             if args.dry_run or not running:
                 break
             time.sleep(5)
