@@ -23,6 +23,8 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     "bench": {
         "attention": ("lowprec.instruments.bench_attention", "TFLOP/s of the attention kernels"),
         "train": ("lowprec.instruments.bench_train", "training throughput per attention backend"),
+        "overhead": ("lowprec.instruments.bench_overhead",
+                     "host time per eager call and a small GPT's eager step, against SDPA (GPU; --smoke)"),
     },
     "measure": {
         "suite": ("lowprec.instruments.gpu_suite",

@@ -1,0 +1,31 @@
+"""`lowprec bench overhead` runs its whole path on the CPU (--smoke, our kernel under
+Triton's interpreter) and writes its record; the numbers are the GPU's to give."""
+
+from __future__ import annotations
+
+import json
+
+from lowprec import cli
+from lowprec.instruments import bench_overhead
+
+
+def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
+    out = tmp_path / "overhead.json"
+    assert cli.main(["bench", "overhead", "--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    rows = record["calls"]
+    assert {(r["impl"], r["mode"]) for r in rows} == {(impl, mode) for impl in bench_overhead.IMPLS
+                                                      for mode in ("fwd", "fwd+bwd")}
+    assert all(r["host_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    steps = record["step"]["ms"]
+    assert {name: len(ms) for name, ms in steps.items()} == dict.fromkeys(bench_overhead.IMPLS, 1)
+    summary = record["summary"]
+    ratios = {key: value for key, value in summary.items() if key != "met"}
+    assert set(summary["met"]) == set(ratios) and all(value > 0 for value in ratios.values())
+    assert record["provenance"]["command"]
+
+
+def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):
+    assert cli.main(["bench", "overhead", "--out", "x.json"]) == 2
+    assert "--smoke" in capsys.readouterr().err
+
