@@ -1,10 +1,11 @@
-"""`lowprec bench overhead` runs its whole path on the CPU (--smoke, our kernel under
-Triton's interpreter) and writes its record; the numbers are the GPU's to give."""
+"""`lowprec bench overhead` and `lowprec bench hf` run their whole path on the CPU (--smoke, our kernel under
+Triton's interpreter) and write their records; the numbers are the GPU's to give."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from lowprec import cli
 from lowprec.instruments import bench_overhead
 
@@ -29,3 +30,11 @@ def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):
     assert cli.main(["bench", "overhead", "--out", "x.json"]) == 2
     assert "--smoke" in capsys.readouterr().err
 
+
+def test_bench_hf_smoke_trains_each_implementation(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    assert cli.main(["bench", "hf", "--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"} and record["parameters"] > 0
+    assert set(record["vs_sdpa"]) == {"lowprec", "lowprec+fix"} and record["provenance"]["transformers"]
