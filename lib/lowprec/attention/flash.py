@@ -223,8 +223,8 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int,
     q, k, v = (_addressable(t) for t in (q, k, v))
     o = _empty_like(q)
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
-    shape = (len(STAT_NAMES), B, H, N) if with_stats else (0,)
-    stats = torch.zeros(shape, device=q.device, dtype=torch.int32)
+    stats = (torch.zeros((len(STAT_NAMES), B, H, N), device=q.device, dtype=torch.int32) if with_stats
+             else lse.new_empty((0,), dtype=torch.int32))
     _launch("fwd", (block_m, block_n), N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
             *map(_strides, (q, k, v, o)), N, k.shape[2], H, H // k.shape[1], B * H, scale, tuple(fix), seed,
             D=D, BLOCK_D=_block_d(D), CAUSAL=causal, FIX=fix_mode, WITH_STATS=with_stats, P_FP32=p_fp32,
