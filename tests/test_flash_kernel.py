@@ -577,10 +577,13 @@ def test_kernel_shape_errors_name_the_argument():
 @on_cpu
 def test_custom_op_passes_opcheck():
     """torch.library's checks of the custom op: schema, fake implementation, autograd registration."""
+    from lowprec.attention import flash
+
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 20, 16, generator=gen).bfloat16().requires_grad_()
     k, v = (torch.randn(1, 1, 24, 16, generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    args = (q, k, v, True, 0.25, "consistent", "2", -1, 16, 16, True)
+    options, _ = flash._kernel_options(q.dtype, 16, False, True, 0.25, "2", "consistent", 16, 16)
+    args = (q, k, v, 0, True, *options)
     torch.library.opcheck(torch.ops.lowprec.flash_forward.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -630,23 +633,28 @@ def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
     assert all(r["plain_us"] > 0 and "graph_us" not in r and "plain_us_error" not in r for r in rows)
 
 
-def test_repeated_call_options_are_resolved_once(monkeypatch):
-    """An eager call resolves its options (precision, Fix, scale, blocks) once per distinct set: resolving
-    takes longer on the host than a short kernel on the GPU.
-    An unhashable option still gets its clear error."""
-    from lowprec.attention import flash
+def test_repeated_call_options_are_resolved_once():
+    """An eager call finds its kernel constants in one cache lookup: plan_call resolves each distinct set of
+    options (precision, Fix, scale, blocks) once, for the kernel and the emulator alike, and the ops resolve
+    nothing (resolving takes longer on the host than a short kernel on the GPU). An unhashable option still
+    gets its clear error."""
+    from lowprec.attention import flash, plan
 
-    resolved = []
-    plan_call = flash.plan_call
-    monkeypatch.setattr(flash, "plan_call", lambda *a, **kw: resolved.append(a) or plan_call(*a, **kw))
+    flash._lower.cache_clear()
+    plan._plan.cache_clear()
+    q, k, v = (torch.randn(1, 2, 32, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    options = dict(fix=Fix(beta=3.0), precision="paper:tile=16", scale=0.1)
+    for _ in range(3):
+        flash_attention(q, k, v, **options).sum().backward()
+    emulated_attention(q, k, v, **options).sum().backward()
+    assert flash._lower.cache_info().misses == plan._plan.cache_info().misses == 1
+    flash_attention(q, k, v, precision="paper:tile=16", scale=0.1)
+    assert plan._plan.cache_info().misses == 2
     options = (torch.bfloat16, 64, True, True, 0.1, Fix(beta=3.0), "paper:tile=64", None, None)
-    first = flash._op_options(*options)
-    count = len(resolved)
-    assert flash._op_options(*options) == first and len(resolved) == count
     with pytest.raises(ValueError, match="causal"):  # 1 == True, but the cache tells them apart
-        flash._op_options(*options[:3], 1, *options[4:])
+        flash._kernel_options(*options[:3], 1, *options[4:])
     with pytest.raises(ValueError, match="fix"):
-        flash._op_options(*options[:5], [3.0], *options[6:])
+        flash._kernel_options(*options[:5], [3.0], *options[6:])
 
 
 def test_eager_calls_skip_the_custom_ops_dispatch():

@@ -23,6 +23,10 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
     "bench": {
         "attention": ("lowprec.instruments.bench_attention", "TFLOP/s of the attention kernels"),
         "train": ("lowprec.instruments.bench_train", "training throughput per attention backend"),
+        "overhead": ("lowprec.instruments.bench_overhead",
+                     "host time per eager call and a small GPT's eager step, against SDPA (GPU; --smoke)"),
+        "hf": ("lowprec.instruments.bench_hf",
+               "training throughput of a small transformers Llama, SDPA against our kernel (GPU; --smoke)"),
     },
     "measure": {
         "suite": ("lowprec.instruments.gpu_suite",

@@ -101,7 +101,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Attent
     "emulated" and "triton" also take return_lse / return_stats: the result is then (o, [lse], [stats]).
     """
     spec = AttentionSpec.parse(backend)
-    spec.accepts(set(kw))
+    spec.accepts(kw)
     kw = {**spec.kwargs(), **kw}
     if spec.backend == "reference":
         return reference_attention(q, k, v, causal, **kw)[0].to(q.dtype)

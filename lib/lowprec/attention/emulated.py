@@ -94,8 +94,9 @@ def tiles(n: int, size: int) -> list[slice]:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, gen: Generator = None):
-    """Returns (o: output-rounded fp32, o_unrounded: acc/l fp32, lse fp32) and sets plan.stats. k, v may have
-    fewer heads than q (each serves a group of query heads); rows that see no key get o = 0, lse = +inf."""
+    """Returns (o: output-rounded fp32, o_unrounded: acc/l fp32, lse fp32, the counters: (len(STAT_NAMES), B,
+    H, N) int32, as the kernel returns them). k, v may have fewer heads than q (each serves a group of query
+    heads); rows that see no key get o = 0, lse = +inf."""
     dtype, prec, fp = plan.dtype, plan.precision, plan.fix
     natural = prec.weights.resolve(dtype) is None  # P̄ stays fp32: exp(s - m) as it is (exp_sub)
     B, H, N, D = q.shape
@@ -150,8 +151,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan, g
     o_raw = acc / l_safe[..., None]
     o = round_output(o_raw, prec, dtype, gen)
     lse = torch.where(empty, float("inf"), m + log(l_safe))
-    plan.stats = AttentionStats(**counters)
-    return o, o_raw, lse
+    return o, o_raw, lse, torch.stack([counters[name] for name in STAT_NAMES])
 
 
 def backward(q, k, v, o, lse, do, plan: CallPlan, delta_mode: str = "dO_O"):
@@ -204,14 +204,14 @@ def backward(q, k, v, o, lse, do, plan: CallPlan, delta_mode: str = "dO_O"):
 class _Emulated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: CallPlan, delta: str, o_for_delta: str, gen: Generator):
-        o, o_raw, lse = forward(q, k, v, plan, gen)
+        o, o_raw, lse, stats = forward(q, k, v, plan, gen)
         ctx.plan, ctx.delta = plan, delta
         ctx.save_for_backward(q, k, v, o_raw if o_for_delta == "fp32" else o, lse)
-        ctx.mark_non_differentiable(lse)
-        return o.to(q.dtype), lse
+        ctx.mark_non_differentiable(lse, stats)
+        return o.to(q.dtype), lse, stats
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, _dlse, _dstats):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv, _ = backward(q, k, v, o, lse, do, ctx.plan, ctx.delta)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
@@ -249,7 +249,7 @@ def emulated_attention(
         raise ValueError(f"delta must be one of {DELTAS}, got {delta!r}")
     if o_for_delta not in O_FOR_DELTA:
         raise ValueError(f"o_for_delta must be one of {O_FOR_DELTA}, got {o_for_delta!r}")
-    plan = plan_call(q, causal, precision, fix, block_m, block_n, scale)
-    o, lse = _Emulated.apply(q, k, v, plan, delta, o_for_delta, generator)
-    extra = ([lse] if return_lse else []) + ([plan.stats] if return_stats else [])
+    plan = plan_call(q.dtype, q.shape[-1], causal, precision, fix, block_m, block_n, scale)
+    o, lse, stats = _Emulated.apply(q, k, v, plan, delta, o_for_delta, generator)
+    extra = ([lse] if return_lse else []) + ([AttentionStats(*stats.unbind(0))] if return_stats else [])
     return (o, *extra) if extra else o

@@ -22,16 +22,15 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix, FixParams, as_fix
+from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix
 from lowprec.attention.plan import plan_call
-from lowprec.attention.precision import Precision, fits
+from lowprec.attention.precision import POINTS, Precision, fits
 from lowprec.attention.reference import check_qkv
 from lowprec.attention.triton_kernels import _delta, _dkdv, _dq, _fwd
 from lowprec.attention.triton_rounding import CAST_BF16, CAST_FP16, NONE, _codes
@@ -130,53 +129,20 @@ def launched_tiles() -> dict[str, str]:
 # ------------------------------------------------------------------------------------------------- launch
 
 
-@dataclass(frozen=True)
-class _Run:
-    """Resolved options of one call (shared by forward and backward)."""
-
-    causal: bool
-    scale: float
-    codes: dict[str, int]  # rounding codes by point, in POINTS order (the forward's CODES: their values)
-    p_fp32: bool  # P̄V dot in fp32 (P̄'s format does not fit in the input dtype)
-    native_p: bool  # the weights rounding is exactly the cast to the input dtype
-    norm: int  # 0: l sums P ("exact"), 1: l sums P̄ ("rounded")
-    stochastic: bool  # some point rounds stochastically (a seed is drawn when none is given)
-    fix: FixParams | None
-    tol: float  # the Fix's tol, or the default Fix's: the counters' near-tie window
-    blocks: tuple[int, int] | None  # (BLOCK_M, BLOCK_N) fixed, or None = autotune
-
-
-@functools.lru_cache(maxsize=256)
-def _resolve(precision: str, fix: str, dtype: torch.dtype, head_dim: int, causal: bool, scale: float,
-             block_m: int, block_n: int) -> _Run:
-    """The options of a call from the custom ops' plain arguments (spec strings; block sizes 0 = autotune),
-    validated by plan_call; cached, so a training step pays for it once per distinct call."""
-    probe = torch.empty((1, 1, 1, head_dim), dtype=dtype, device="meta")
-    blocks_given = block_m > 0
-    plan = plan_call(probe, causal, precision, Fix.parse(fix) if fix else None,
-                     block_m if blocks_given else None, block_n if blocks_given else None, scale)
-    prec = plan.precision
-    if not fits(prec.output.resolve(dtype), dtype):
-        raise ValueError(f"precision.output ({prec.output}) must fit in q's dtype {dtype} for the triton "
-                         "backend (it stores O in q's dtype); use backend='emulated' for wider outputs")
-    blocks = (plan.block_m, plan.block_n) if (plan.tiles_given or INTERPRET) else None
-    codes = _codes(prec, dtype)
-    p_fp32 = plan.pv_dtype == torch.float32 and dtype != torch.float32
-    native_p = not p_fp32 and codes["weights"] == {torch.bfloat16: CAST_BF16, torch.float16: CAST_FP16,
-                                                   torch.float32: NONE}[dtype]
-    return _Run(causal, plan.scale, codes, p_fp32, native_p, int(prec.norm == "rounded"), prec.stochastic(),
-                plan.fix, plan.tol, blocks)
-
-
 GRID_YZ = 65535  # CUDA's limit on a grid's y and z extents
 INT32_MAX = 2**31 - 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in plain Python (triton.cdiv costs a few microseconds of host time a call)."""
+    return -(-a // b)
 
 
 def _fold(bh: int) -> tuple[int, int]:
     """(y, z) grid extents holding `bh` = batch x heads programs, y <= z's limit; the kernels skip
     bh >= B*H (at most one partial row of programs)."""
     y = min(bh, GRID_YZ)
-    z = triton.cdiv(bh, y)
+    z = _cdiv(bh, y)
     if z > GRID_YZ:
         raise ValueError(f"batch x heads = {bh} exceeds the {GRID_YZ**2:,} programs a grid can address")
     return y, z
@@ -190,15 +156,16 @@ def _fixed_options(block_d: int) -> dict[str, int]:
     return {"num_warps": 8, "num_stages": 2} if block_d >= 256 else {"num_warps": 4, "num_stages": 3}
 
 
-def _launch(name: str, run: _Run, n: int, bh: int, rows: str, *args, **constexprs) -> None:
+def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *args, **constexprs) -> None:
     """Launch kernel `name` over the grid (`rows`-sized blocks, B*H folded over y and z: the blocks of one
     head run side by side, so its K and V stay in L2, and any batch x heads fits) with the caller's blocks,
-    the PINNED ones in a deterministic run, or the autotuner's pick."""
+    the PINNED ones in a deterministic run, or the autotuner's pick (blocks (0, 0))."""
     kernel, tuned = _KERNELS[name]
-    grid = lambda meta: (triton.cdiv(n, meta[rows]), *_fold(bh))
+    y, z = _fold(bh)
+    grid = lambda meta: (_cdiv(n, meta[rows]), y, z)
     block_d = constexprs["BLOCK_D"]
-    if run.blocks is not None:
-        blocks, options = run.blocks, _fixed_options(block_d)
+    if blocks[0]:
+        options = _fixed_options(block_d)
     elif torch.are_deterministic_algorithms_enabled():
         *blocks, warps, stages = PINNED[name][max(block_d, 64)]
         options = {"num_warps": warps, "num_stages": stages}
@@ -215,25 +182,21 @@ def _launch(name: str, run: _Run, n: int, bh: int, rows: str, *args, **constexpr
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
-def _fix_args(run: _Run) -> tuple[float, float, float, float]:
-    """The kernel's `fix` tuple (beta, tol, min_gap, max_gap); placeholders besides tol without a Fix."""
-    fp = run.fix
-    return (fp.beta, run.tol, fp.min_gap, fp.max_gap) if fp is not None else (2.0, run.tol, 0.0, 1.0)
+    """The head dim padded to a power of two >= 16 (the kernels' BLOCK_D)."""
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, head, seq) strides of a (B, H, N, D) tensor, for the kernels."""
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
 
 
 def _addressable(t: torch.Tensor) -> torch.Tensor:
     """t itself if the kernels can read it in place (contiguous head dim, every row offset of one head
     within int32), else a contiguous copy."""
-    rows_span = (t.shape[2] - 1) * t.stride(2) + t.shape[3]
-    return t if t.stride(3) == 1 and rows_span <= INT32_MAX else t.contiguous()
+    stride = t.stride()
+    rows_span = (t.shape[2] - 1) * stride[2] + t.shape[3]
+    return t if stride[3] == 1 and rows_span <= INT32_MAX else t.contiguous()
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -241,33 +204,31 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     (B, H, N, D)) when t's seq stride exceeds its head stride, as in the model's transposed views; else
     contiguous."""
     B, H, N, D = t.shape
-    if H > 1 and N > 1 and t.stride(2) > t.stride(1):
+    stride = t.stride()
+    if H > 1 and N > 1 and stride[2] > stride[1]:
         return t.new_empty((B, N, H, D)).transpose(1, 2)
     return t.new_empty((B, H, N, D))
 
 
-def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   precision: str, fix: str, seed: int, block_m: int, block_n: int, with_stats: bool
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, with_stats: bool,
+                   causal: bool, scale: float, codes: list[int], norm: int, p_fp32: bool, native_p: bool,
+                   fix_mode: int, fix: list[float], block_m: int, block_n: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(o, lse, stats): the forward kernel. precision, fix: spec strings ("" = no Fix); seed < 0: drawn from
-    torch's generator when the precision rounds stochastically; block sizes 0: autotuned; stats: the
-    counters (len(STAT_NAMES), B, H, Nq) int32 when with_stats, else an empty tensor."""
+    """(o, lse, stats): the forward kernel, its options the plain constants of `_kernel_options`. seed < 0:
+    drawn from torch's generator; stats: the counters (len(STAT_NAMES), B, H, Nq) int32 when with_stats, else
+    an empty tensor."""
     B, H, N, D = q.shape
-    run = _resolve(precision, fix, q.dtype, D, causal, scale, block_m, block_n)
     if seed < 0:
-        seed = int(torch.randint(0, INT32_MAX, (1,))) if run.stochastic else 0
+        seed = int(torch.randint(0, INT32_MAX, (1,)))
     q, k, v = (_addressable(t) for t in (q, k, v))
     o = _empty_like(q)
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
-    shape = (len(STAT_NAMES), B, H, N) if with_stats else (0,)
-    stats = torch.zeros(shape, device=q.device, dtype=torch.int32)
-    fp = run.fix
-    _launch("fwd", run, N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
-            *map(_strides, (q, k, v, o)), N, k.shape[2], H, H // k.shape[1], B * H, run.scale, _fix_args(run),
-            seed, D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal,
-            FIX=0 if fp is None else 2 if fp.whole_row else 1, WITH_STATS=with_stats, P_FP32=run.p_fp32,
-            NATIVE_P=run.native_p, NORM=run.norm, IEEE=q.dtype == torch.float32,
-            CODES=tuple(run.codes.values()))
+    stats = (torch.zeros((len(STAT_NAMES), B, H, N), device=q.device, dtype=torch.int32) if with_stats
+             else lse.new_empty((0,), dtype=torch.int32))
+    _launch("fwd", (block_m, block_n), N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
+            *map(_strides, (q, k, v, o)), N, k.shape[2], H, H // k.shape[1], B * H, scale, tuple(fix), seed,
+            D=D, BLOCK_D=_block_d(D), CAUSAL=causal, FIX=fix_mode, WITH_STATS=with_stats, P_FP32=p_fp32,
+            NATIVE_P=native_p, NORM=norm, IEEE=q.dtype == torch.float32, CODES=tuple(codes))
     return o, lse, stats
 
 
@@ -275,7 +236,7 @@ _forward_op = torch.library.custom_op("lowprec::flash_forward", _flash_forward, 
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, causal, scale, precision, fix, seed, block_m, block_n, with_stats):
+def _forward_fake(q, k, v, seed, with_stats, *options):
     B, H, N, _ = q.shape
     shape = (len(STAT_NAMES), B, H, N) if with_stats else (0,)
     return _empty_like(q), q.new_empty((B, H, N), dtype=torch.float32), q.new_empty(shape, dtype=torch.int32)
@@ -286,29 +247,27 @@ def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     B, H, N, D = o.shape
     o, do = _addressable(o), _addressable(do)
     delta = torch.empty((B, H, N), device=o.device, dtype=torch.float32)
-    _delta[(triton.cdiv(N, 64), *_fold(B * H))](o, do, delta, _strides(o), _strides(do), N, H, B * H, D=D,
+    _delta[(_cdiv(N, 64), *_fold(B * H))](o, do, delta, _strides(o), _strides(do), N, H, B * H, D=D,
                                                  BLOCK_D=_block_d(D), BLOCK_M=64)
     return delta
 
 
 def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                    do: torch.Tensor, causal: bool, scale: float, precision: str, block_m: int, block_n: int
+                    do: torch.Tensor, causal: bool, scale: float, c_scores: int, block_m: int, block_n: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv): the backward kernels (delta, dK/dV per key/value head, dQ); options as in
-    _flash_forward."""
+    """(dq, dk, dv): the backward kernels (delta, dK/dV per key/value head, dQ); c_scores: the scores'
+    rounding code, the rest as in _flash_forward."""
     B, H, N, D = q.shape
     H_kv, n_k = k.shape[1], k.shape[2]
-    run = _resolve(precision, "", q.dtype, D, causal, scale, block_m, block_n)
     q, k, v, do = (_addressable(t) for t in (q, k, v, do))
     delta = flash_delta(o, do)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=run.causal, IEEE=q.dtype == torch.float32,
-                  C_SCORES=run.codes["scores"])
-    sizes = (N, n_k, H, H // H_kv)
-    _launch("dkdv", run, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
-            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, run.scale, GROUPED=H_kv < H, **common)
-    _launch("dq", run, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
-            *map(_strides, (q, k, v, do, dq)), *sizes, B * H, run.scale, **common)
+    common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=causal, IEEE=q.dtype == torch.float32, C_SCORES=c_scores)
+    sizes, blocks = (N, n_k, H, H // H_kv), (block_m, block_n)
+    _launch("dkdv", blocks, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
+            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, scale, GROUPED=H_kv < H, **common)
+    _launch("dq", blocks, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
+            *map(_strides, (q, k, v, do, dq)), *sizes, B * H, scale, **common)
     return dq, dk, dv
 
 
@@ -316,23 +275,24 @@ _backward_op = torch.library.custom_op("lowprec::flash_backward", _flash_backwar
 
 
 @_backward_op.register_fake
-def _backward_fake(q, k, v, o, lse, do, causal, scale, precision, block_m, block_n):
+def _backward_fake(q, k, v, o, lse, do, *options):
     return _empty_like(q), _empty_like(k), _empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, precision, _fix, _seed, block_m, block_n, _with_stats = inputs
+    q, k, v, _seed, _with_stats, causal, scale, codes, *_, block_m, block_n = inputs
     o, lse, stats = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.options = (causal, scale, precision, block_m, block_n)
+    ctx.options = (causal, scale, codes[POINTS.index("scores")], block_m, block_n)
     ctx.mark_non_differentiable(lse, stats)
 
 
 def _backward_formula(ctx, do, _dlse, _dstats, backward=None):
-    """(dq, dk, dv, None x 8) by the backward custom op, or by `backward` (the eager path's function)."""
+    """(dq, dk, dv, None for each option) by the backward custom op, or by `backward` (the eager path's
+    function)."""
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = (backward or torch.ops.lowprec.flash_backward)(q, k, v, o, lse, do, *ctx.options)
-    return dq, dk, dv, *(None,) * 8
+    return dq, dk, dv, *(None,) * 12
 
 
 _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
@@ -354,36 +314,45 @@ class _EagerFlash(torch.autograd.Function):
 
 
 @torch.compiler.assume_constant_result
-def _op_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
-                fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
-                block_n: int | None) -> tuple[str, str, float, int, int]:
-    """The custom op's plain option arguments (precision spec, Fix spec or "", fp32 scale, block sizes or
-    0 = autotune), validated. torch.compile runs this once while tracing and keeps its result as constants,
-    so that Dynamo never traces the Precision and Fix objects; eager calls find repeated options in a cache
-    (resolving them takes ~0.2 ms of host time, longer than a short kernel)."""
+def _kernel_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
+                    fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
+                    block_n: int | None) -> tuple:
+    """The plan of a call (plan_call) as the forward op's plain constants, after the seed and stats arguments:
+    (causal, scale, codes, norm, p_fp32, native_p, fix_mode, fix, block_m, block_n), and whether it rounds
+    stochastically. torch.compile runs this once while tracing and keeps its result as constants, so that
+    Dynamo never traces the Precision and Fix objects; eager calls find it in a cache, so that a training
+    step resolves each distinct call once."""
     args = (dtype, head_dim, on_gpu, causal, scale, fix, precision, block_m, block_n)
     try:
-        hash(args)
-    except TypeError:  # an unhashable option: resolving it names the argument
-        return _resolve_options.__wrapped__(*args)
-    return _resolve_options(*args)
+        return _lower(*args)
+    except TypeError:  # an unhashable option: lowered uncached, plan_call's ValueError names it
+        return _lower.__wrapped__(*args)
 
 
 @functools.lru_cache(maxsize=256, typed=True)
-def _resolve_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
-                     fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
-                     block_n: int | None) -> tuple[str, str, float, int, int]:
-    plan = plan_call(torch.empty((1, 1, 1, head_dim), dtype=dtype, device="meta"), causal, precision, fix,
-                     block_m, block_n, scale)
+def _lower(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
+           fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
+           block_n: int | None) -> tuple:
+    plan = plan_call(dtype, head_dim, causal, precision, fix, block_m, block_n, scale)
+    prec = plan.precision
+    if not fits(prec.output.resolve(dtype), dtype):
+        raise ValueError(f"precision.output ({prec.output}) must fit in q's dtype {dtype} for the triton "
+                         "backend (it stores O in q's dtype); use backend='emulated' for wider outputs")
     blocks = (plan.block_m, plan.block_n) if (plan.tiles_given or INTERPRET) else (0, 0)
     for size in blocks if blocks[0] else ():
         if size < 16 or size & (size - 1) or (on_gpu and size > 128):
             raise ValueError(f"block_m, block_n and precision.tile must be powers of two >= 16 (<= 128 on a "
                              f"GPU), got {blocks}; e.g. precision='paper:tile=64', or backend='emulated'")
-    fix = as_fix(fix)
-    options = (plan.precision.spec, "" if fix is None else fix.spec, plan.scale, *blocks)
-    _resolve(options[0], options[1], dtype, head_dim, causal, *options[2:])  # the output point must fit
-    return options
+    codes = tuple(_codes(prec, dtype).values())
+    p_fp32 = plan.pv_dtype == torch.float32 and dtype != torch.float32
+    native = {torch.bfloat16: CAST_BF16, torch.float16: CAST_FP16, torch.float32: NONE}[dtype]
+    native_p = not p_fp32 and codes[POINTS.index("weights")] == native
+    fp = plan.fix
+    fix_mode = 0 if fp is None else 2 if fp.whole_row else 1
+    fix_args = (fp.beta, plan.tol, fp.min_gap, fp.max_gap) if fp is not None else (2.0, plan.tol, 0.0, 1.0)
+    options = (causal, plan.scale, codes, int(prec.norm == "rounded"), p_fp32, native_p, fix_mode, fix_args,
+               *blocks)
+    return options, prec.stochastic()
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -409,12 +378,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                          "imported to run the kernels on CPU (e.g. TRITON_INTERPRET=1 python ...)")
     if seed is not None and not (type(seed) is int and 0 <= seed <= INT32_MAX):
         raise ValueError(f"seed must be None or an int in [0, 2**31), got {seed!r}")
-    precision_spec, fix_spec, scale, block_m, block_n = _op_options(
-        q.dtype, q.shape[-1], q.is_cuda, causal, scale, fix, precision, block_m, block_n)
-    seed = -1 if seed is None else seed
+    options, stochastic = _kernel_options(q.dtype, q.shape[-1], q.is_cuda, causal, scale, fix, precision,
+                                          block_m, block_n)
+    seed = (-1 if stochastic else 0) if seed is None else seed
     forward = torch.ops.lowprec.flash_forward if torch.compiler.is_compiling() else _EagerFlash.apply
-    o, lse, stats = forward(q, k, v, causal, scale, precision_spec, fix_spec, seed, block_m, block_n,
-                            return_stats)
+    o, lse, stats = forward(q, k, v, seed, return_stats, *options)
     extra = ([lse] if return_lse else []) + ([AttentionStats(*stats.unbind(0))] if return_stats else [])
     return (o, *extra) if extra else o
 

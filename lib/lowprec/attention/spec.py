@@ -10,6 +10,7 @@ call's keywords (precision and fix as spec strings).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -90,7 +91,8 @@ class AttentionSpec:
         call = dict(self.options)
         if caps.precision:
             call.update(precision=precision.spec, fix=None if fix is None else fix.spec)
-        object.__setattr__(self, "_call", call)  # not a field: kwargs(), rendered once
+        object.__setattr__(self, "_call", call)  # not fields: kwargs() and accepts(), worked out once
+        object.__setattr__(self, "_allowed", frozenset({*call, *caps.options, *caps.call_keywords}))
 
     @classmethod
     def parse(cls, spec: AttentionSpec | str) -> AttentionSpec:
@@ -161,10 +163,9 @@ class AttentionSpec:
         dataclass met while tracing back into a constant, which the kernel's option check needs."""
         return dict(self._call)
 
-    def accepts(self, keywords: set[str]) -> None:
+    def accepts(self, keywords: Iterable[str]) -> None:
         """ValueError naming the keywords a call may not pass to this backend."""
-        allowed = {*self.kwargs(), *self.caps.options, *self.caps.call_keywords}
-        unknown = sorted(keywords - allowed)
-        if unknown:
+        if not self._allowed.issuperset(keywords):
+            unknown = sorted(set(keywords) - self._allowed)
             raise ValueError(f"backend {self.backend!r} does not take {unknown}; it accepts "
-                             f"{sorted(allowed) or 'none'}")
+                             f"{sorted(self._allowed) or 'none'}")

@@ -233,7 +233,7 @@ def key_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sums over key positions o_cum, delta_cum, the masks rounded_to_one (P̄_lp = 1 where P̄ < 1) and row_max
     (P̄ = 1 exactly); and o_kernel, the mean over features of the emulator's O − O_hp (before its output
     rounding), which o_cum's last column must equal."""
-    plan = plan_call(q, False, "fa2", None)
+    plan = plan_call(q.dtype, q.shape[-1], False, "fa2", None)
     if k.shape[2] > plan.block_n:
         raise ValueError(f"key_errors needs the keys in one tile: {k.shape[2]} keys > block_n {plan.block_n}")
     s = dot(q.float(), k.float().transpose(-1, -2)) * plan.scale
@@ -245,7 +245,7 @@ def key_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     weight = pbar_lp.double() / ell[..., None] - p  # (1, H, rows, keys): e_j = weight[j] V[j]
     o_key = (weight * v.double().mean(-1).unsqueeze(-2)).flatten(0, 2)
     delta_key = (weight * (do.double() @ v.double().transpose(-1, -2))).flatten(0, 2)
-    _, o_raw, _ = forward(q, k, v, plan)
+    o_raw = forward(q, k, v, plan)[1]
     return {
         "o": o_key, "delta": delta_key, "o_cum": o_key.cumsum(-1), "delta_cum": delta_key.cumsum(-1),
         "rounded_to_one": ((pbar_lp == 1.0) & (pbar < 1.0)).flatten(0, 2),

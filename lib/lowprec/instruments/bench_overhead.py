@@ -1,0 +1,191 @@
+"""`lowprec bench overhead`: our kernel's host time per eager call against SDPA's at small shapes, and a small
+GPT's eager step time with either.
+
+    lowprec bench overhead --out results/attention/overhead.json      # one H200
+    lowprec bench overhead --smoke                                    # CPU (Triton interpreter), seconds
+
+Calls: SDPA (torch's default choice), our kernel with the Fix off and on, fwd and fwd+bwd, over batch, heads
+and sequence lengths at head dim 64, causal. Steps: lowprec.model's GPT at gpu-6l's shape (6 layers, 6 heads
+of 64) at context 256 and batch 32, eager, bf16 autocast, AdamW, random tokens. The record's rows and targets:
+the book's appendix "Methods and record formats".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from lowprec.attention import attention
+from lowprec.configs import get_config
+from lowprec.instruments.bench_attention import calls_of, int_list, loop_us
+from lowprec.model import GPT
+
+IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton/precision=fa2/fix=2"}
+CALLS = 50
+STEP = (32, 256)  # the GPT steps' batch and context
+TARGETS = {"host_vs_sdpa": 1.2, "step_vs_sdpa": 1.05}  # at most
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=None, help="JSON file for the results (default: print only)")
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 32], help="batch sizes of the calls")
+    parser.add_argument("--heads", type=int_list, default=[6, 12], help="head counts of the calls")
+    parser.add_argument("--seq", type=int_list, default=[128, 256, 512], help="sequence lengths of the calls")
+    parser.add_argument("--steps", type=int, default=50, help="timed GPT steps per backend and round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of steps per backend")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+
+
+def host_us(fn: Callable[[], object], device: str, calls: int) -> float:
+    """Median over 3 repeats of the host's microseconds per call: the wall time of each call alone, the
+    device left to run behind (no sync inside the loop), so the queue's waits are not counted."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    repeats = []
+    for _ in range(3):
+        sync()
+        spent = 0.0
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            spent += time.perf_counter() - start
+        sync()
+        repeats.append(spent * 1e6 / calls)
+    return sorted(repeats)[1]
+
+
+def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list[dict]:
+    """Per implementation and mode (fwd, fwd+bwd): host microseconds per call and wall microseconds per call
+    of a loop (host and device together), or the error that stopped them."""
+    rows = []
+    for name, spec in IMPLS.items():
+        try:
+            fn = functools.partial(attention, backend=spec)
+            fns, grads = calls_of(fn, batch, heads, seq, 64, True, device)
+        except Exception as exc:
+            rows.append({"impl": name, "batch": batch, "heads": heads, "seq": seq, "error": repr(exc)[:300]})
+            continue
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "mode": mode, "calls": calls}
+            try:
+                row["host_us"] = round(host_us(fns[mode], device, calls), 2)
+                row["wall_us"] = round(loop_us(fns[mode], device, grads, False, calls), 2)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            rows.append(row)
+    return rows
+
+
+def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, rounds: int) -> dict[str, list]:
+    """Milliseconds per step of each step function, `rounds` interleaved rounds of `count` steps each (one
+    untimed warm-up step per round), synced around each round."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            step()
+            sync()
+            start = time.perf_counter()
+            for _ in range(count):
+                step()
+            sync()
+            times[name].append((time.perf_counter() - start) * 1e3 / count)
+    return times
+
+
+def gpt_step(spec: str, batch: int, block_size: int, device: str, tiny: bool) -> Callable[[], None]:
+    """One eager training step of gpu-6l's GPT (smoke-cpu's with `tiny`) at `block_size` with attention
+    `spec`: bf16 autocast, AdamW (fused on a GPU), random tokens."""
+    model_config = dataclasses.replace(get_config("smoke-cpu" if tiny else "gpu-6l").model,
+                                       block_size=block_size, attention=spec)
+    torch.manual_seed(0)
+    model = GPT(model_config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(model_config.vocab_size, (batch, block_size + 1), device=device, generator=gen)
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def step() -> None:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def geomean(values: list[float]) -> float | None:
+    return round(math.exp(sum(map(math.log, values)) / len(values)), 3) if values else None
+
+
+def summary(rows: list[dict], steps: dict[str, list[float]]) -> dict:
+    """Our host time per call over SDPA's (geometric mean over shapes, per mode and implementation), step
+    time over SDPA's (medians over rounds), and whether each meets TARGETS."""
+    host = {(r["impl"], r["batch"], r["heads"], r["seq"], r["mode"]): r["host_us"] for r in rows
+            if "host_us" in r}
+    out: dict = {}
+    for impl in IMPLS:
+        if impl == "sdpa":
+            continue
+        for mode in ("fwd", "fwd+bwd"):
+            ratios = [us / host[("sdpa", *key[1:])] for key, us in host.items()
+                      if key[0] == impl and key[4] == mode and ("sdpa", *key[1:]) in host]
+            out[f"host_vs_sdpa {impl} {mode}"] = geomean(ratios)
+        median = {name: sorted(ms)[len(ms) // 2] for name, ms in steps.items() if ms}
+        if impl in median and "sdpa" in median:
+            out[f"step_vs_sdpa {impl}"] = round(median[impl] / median["sdpa"], 3)
+    out["met"] = {key: None if value is None else value <= TARGETS[key.split()[0]]
+                  for key, value in out.items()}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowprec.runs import provenance, write_json
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        raise ValueError("no CUDA device; use --smoke for a CPU code-path check")
+    if args.steps < 1 or args.rounds < 1:
+        raise ValueError("--steps and --rounds must be >= 1")
+    if args.smoke:
+        args.batch, args.heads, args.seq, args.steps, args.rounds = [1], [2], [32], 1, 1
+    batch, block_size = (2, 32) if args.smoke else STEP
+    record = {"provenance": provenance(), "args": vars(args), "device": device, "impls": IMPLS, "calls": [],
+              "step": {"config": "smoke-cpu" if args.smoke else "gpu-6l", "block_size": block_size,
+                       "batch": batch}}
+    start = time.perf_counter()
+    for b, h, n in itertools.product(args.batch, args.heads, args.seq):
+        record["calls"] += call_rows(b, h, n, device, 1 if args.smoke else CALLS)
+    steps = {name: gpt_step(spec, batch, block_size, device, args.smoke) for name, spec in IMPLS.items()}
+    record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
+    record["summary"] = summary(record["calls"], record["step"]["ms"])
+    record["seconds"] = round(time.perf_counter() - start, 1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.out, record)
+    print(table(record))
+    return 0
+
+
+def table(record: dict) -> str:
+    """One line per shape, mode and implementation (host and wall microseconds per call), the step times and
+    the summary."""
+    lines = [f"{'B':>3} {'H':>3} {'N':>5} {'mode':<8} {'impl':<11} {'host':>8} {'wall':>8}  us/call"]
+    for r in record["calls"]:
+        cells = [f"{r[k]:>8.1f}" if k in r else f"{'-':>8}" for k in ("host_us", "wall_us")]
+        lines.append(f"{r['batch']:>3} {r['heads']:>3} {r['seq']:>5} {r.get('mode', '-'):<8} {r['impl']:<11} "
+                     f"{' '.join(cells)}  {r.get('error', '')}")
+    step = record["step"]
+    for name, ms in step["ms"].items():
+        lines.append(f"step {step['config']} N={step['block_size']} B={step['batch']} {name:<11} "
+                     f"{' '.join(f'{m:.2f}' for m in ms)} ms")
+    lines.append(f"summary: {record['summary']}")
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""The transformers plug-in (lowprec.hf) on a tiny random Llama: our kernel (under the CPU interpreter) gives
+SDPA's logits, trains, reaches the kernel with grouped-query k and v, refuses what it does not run, and its
+telemetry counts each layer's signals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowprec import hf
+from lowprec.attention import flash
+from lowprec.attention.fix import STAT_NAMES
+from lowprec.attention.plan import softmax_scale
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def llama(attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**CONFIG)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                         dtype=torch.bfloat16)
+
+
+def tokens(batch: int = 2, seq: int = 32) -> torch.Tensor:
+    return torch.randint(0, CONFIG["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    hf.register("lowprec-test", "triton")
+    return llama("lowprec-test")
+
+
+def test_logits_match_sdpa_and_the_kernel_sees_grouped_heads(model, monkeypatch):
+    """Same weights, attn_implementation "sdpa" against ours: logits within bf16's rounding; every call
+    reached flash_attention with k and v at the model's 2 key/value heads for its 4 query heads."""
+    seen = []
+    kernel = flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, **kw: seen.append(
+        (q.shape[1], k.shape[1], kw["causal"])) or kernel(q, k, v, **kw))
+    ids = tokens()
+    with torch.no_grad():
+        ours = model(ids).logits.float()
+        reference = llama("sdpa")(ids).logits.float()
+    torch.testing.assert_close(ours, reference, rtol=1.6e-2, atol=1e-2)
+    assert seen == [(4, 2, True)] * CONFIG["num_hidden_layers"]
+
+
+def test_a_training_step_runs(model):
+    """One AdamW step through our forward and backward (a model of its own): a finite loss, a gradient on
+    every weight."""
+    model = llama("lowprec-test").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = tokens()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
+    optimizer.step()
+
+
+def test_a_masked_call_is_refused_or_runs_through_sdpa_when_asked(model):
+    """A padding mask raises a ValueError that says what to do; with masked="sdpa" the same call gives SDPA's
+    logits. A mask of ones is no mask."""
+    ids = tokens()
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="masked='sdpa'"):
+        model(ids, attention_mask=padded)
+    hf.register("lowprec-test", "triton", masked="sdpa")
+    try:
+        with torch.no_grad():
+            ours = model(ids, attention_mask=padded).logits
+            reference = llama("sdpa")(ids, attention_mask=padded).logits
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    finally:
+        hf.register("lowprec-test", "triton")
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)).logits, model(ids).logits)
+
+
+def test_telemetry_counts_each_layers_signals(model, monkeypatch):
+    """Per layer and head: the kernel's counters and the scores' signals, which agree where they count the
+    same thing, and the first layer's max logit against a direct computation from the q and k the kernel
+    saw."""
+    captured = []
+    kernel = flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, **kw: captured.append((q, k)) or kernel(
+        q, k, v, **kw))
+    ids = tokens()
+    with torch.no_grad(), hf.Telemetry(model) as telemetry:
+        model(ids)
+    assert telemetry.plugin.probe is None
+    signals = telemetry.signals()
+    layers, heads = CONFIG["num_hidden_layers"], CONFIG["num_attention_heads"]
+    assert signals["layers"] == [f"model.layers.{i}.self_attn" for i in range(layers)]
+    for name in (*hf.SCORE_SIGNALS, "rows", *STAT_NAMES):
+        assert len(signals[name]) == layers and all(len(row) == heads for row in signals[name]), name
+    assert signals["rows"] == [[ids.numel()] * heads] * layers
+    assert all(ones >= ids.numel() for row in signals["pbar_ones"] for ones in row)  # each row's max: P̄ = 1
+    # 32 keys fit one key tile: the kernel's per-tile tie counts are the rows' counts from the scores
+    for kernel_count, score_count in (("near_tie_tiles", "near_tie_rows"), ("tie_tiles", "tie_rows")):
+        assert signals[kernel_count] == signals[score_count]
+    q, k = captured[0]
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)).float() * softmax_scale(16)
+    s = s.masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1), float("-inf"))
+    assert signals["max_logit"][0] == s.amax((0, 2, 3)).tolist()
+
+
+def test_register_refuses_transformers_names_and_unknown_options():
+    for kwargs, words in (({"name": "sdpa"}, "transformers' own"), ({"masked": "pad"}, "masked must"),
+                          ({"spec": "triton/fix=0.5"}, "beta")):
+        with pytest.raises(ValueError, match=words):
+            hf.register(**{"name": "lowprec-test-2", **kwargs})
+    with pytest.raises(ValueError, match="plug-in"):
+        hf.Telemetry(llama("sdpa"))

@@ -1,0 +1,40 @@
+"""`lowprec bench overhead` and `lowprec bench hf` run their whole path on the CPU (--smoke, our kernel under
+Triton's interpreter) and write their records; the numbers are the GPU's to give."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lowprec import cli
+from lowprec.instruments import bench_overhead
+
+
+def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
+    out = tmp_path / "overhead.json"
+    assert cli.main(["bench", "overhead", "--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    rows = record["calls"]
+    assert {(r["impl"], r["mode"]) for r in rows} == {(impl, mode) for impl in bench_overhead.IMPLS
+                                                      for mode in ("fwd", "fwd+bwd")}
+    assert all(r["host_us"] > 0 and r["wall_us"] > 0 for r in rows)
+    steps = record["step"]["ms"]
+    assert {name: len(ms) for name, ms in steps.items()} == dict.fromkeys(bench_overhead.IMPLS, 1)
+    summary = record["summary"]
+    ratios = {key: value for key, value in summary.items() if key != "met"}
+    assert set(summary["met"]) == set(ratios) and all(value > 0 for value in ratios.values())
+    assert record["provenance"]["command"]
+
+
+def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):
+    assert cli.main(["bench", "overhead", "--out", "x.json"]) == 2
+    assert "--smoke" in capsys.readouterr().err
+
+
+def test_bench_hf_smoke_trains_each_implementation(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    assert cli.main(["bench", "hf", "--smoke", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"} and record["parameters"] > 0
+    assert set(record["vs_sdpa"]) == {"lowprec", "lowprec+fix"} and record["provenance"]["transformers"]
