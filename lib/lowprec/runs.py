@@ -63,8 +63,9 @@ def provenance(command: list[str] | None = None) -> dict:
     LOWPREC_GIT_COMMIT (and LOWPREC_GIT_DIRTY), when set by whoever launched the run, take precedence over
     what git says: a copy of the tree on the GPU machine may carry no history, or stale history.
 
-    torch's CUDA version and the device name are filled in only when torch is already imported (this module
-    never imports it). `command` defaults to sys.argv.
+    torch's CUDA version, the CPU kernels it picked (e.g. "AVX512": CPU results differ between them) and the
+    device name are filled in only when torch is already imported (this module never imports it). `command`
+    defaults to sys.argv.
     """
     if os.environ.get("LOWPREC_GIT_COMMIT"):
         commit = os.environ["LOWPREC_GIT_COMMIT"]
@@ -89,6 +90,7 @@ def provenance(command: list[str] | None = None) -> dict:
     if torch is not None:
         prov["torch"] = torch.__version__
         prov["cuda"] = torch.version.cuda
+        prov["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the CPU kernels torch picked
         if torch.cuda.is_available():
             prov["device"] = torch.cuda.get_device_name()
             prov["device_count"] = torch.cuda.device_count()

@@ -66,9 +66,9 @@ def agrees(now: float | None, then: float | None, scale: float, rel_tol: float =
 def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> dict[str, dict]:
     """{key: {"series", "summary"}} of a record written by `lowprec experiment positive-control --series` for
     `cfg`, with run `live` (a key, see cures.train_key) trained again here and checked against the record
-    number by number (`agrees`, within SAME_BUILD_TOL under the record's torch, OTHER_BUILD_TOL under
-    another); live=None only reads the record. A ValueError names the record when it is of another
-    configuration, lacks the series, or is stale."""
+    number by number (`agrees`: within SAME_BUILD_TOL under the record's torch and CPU kernels,
+    OTHER_BUILD_TOL under others); live=None only reads the record. A ValueError names the record when it is
+    of another configuration, lacks the series, or is stale."""
     record = json.loads(Path(path).read_text())
     if record["config"] != asdict(cfg):
         raise ValueError(f"{path} records another configuration than {cfg}")
@@ -85,8 +85,9 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> 
                     default=0.0)
              for k in runs[live]["summary"]}
     provenance = record.get("provenance", {})
-    built = provenance.get("torch", torch.__version__)
-    rel_tol = SAME_BUILD_TOL if built == torch.__version__ else OTHER_BUILD_TOL
+    built = f"torch {provenance.get('torch')} on {provenance.get('cpu_capability', 'an unrecorded CPU')}"
+    here = f"torch {torch.__version__} on {torch.backends.cpu.get_cpu_capability()}"
+    rel_tol = SAME_BUILD_TOL if built == here else OTHER_BUILD_TOL
     stale = sorted(k for k, then in runs[live]["summary"].items()
                    if not agrees(fresh["summary"][k], then, scale[k], rel_tol))
     if stale:
@@ -94,8 +95,7 @@ def recorded_control(path: str | Path, cfg: ControlConfig, live: str | None) -> 
         then, now = runs[live]["summary"], fresh["summary"]
         values = ", ".join(f"{k} {then[k]!r} recorded, {now[k]!r} here" for k in stale)
         raise ValueError(f"{path} is stale: {live} trained here differs in {values} (compared within "
-                         f"{rel_tol:.0%}: torch {built} recorded, {torch.__version__} here); record it "
-                         f"again: {command}")
+                         f"{rel_tol:.0%}: recorded with {built}, here {here}); record it again: {command}")
     runs[live] = fresh
     return runs
 
