@@ -172,8 +172,7 @@ def _menu_slider_twin(fig: go.Figure, groups: Mapping[str, Sequence[Line]], v_me
     menu = [(g, [o in (None, g) for o in owner], {}) for g in groups]
     slider = [(f"{vm:+g}", {"y": [sig(c) for i in range(len(lines)) for c in curves(runs[i, vm])]})
               for vm in v_means]
-    return add_menu_and_slider(fig, menu, slider, list(range(len(owner))), "V mean (bias channel): ",
-                               menu_y=1.1)
+    return add_menu_and_slider(fig, menu, slider, list(range(len(owner))), "V mean (bias channel): ")
 
 
 def control_twin(

@@ -24,6 +24,9 @@ SNAPSHOT_NOTE = (
     "the figure after it works here."
 )
 DIGITS = 4  # significant digits of the numbers a twin stores (the page stays small; the plots are unchanged)
+# A twin's top margin (px): the title with its padding, a line of subtitle, the menu with a gap either side,
+# and the subplot titles above the plots
+TITLE_PX, SUBTITLE_LINE_PX, MENU_PX, SUBPLOT_TITLE_PX = 45, 18, 46, 28
 
 
 def sig(values: Sequence[float] | float, digits: int = DIGITS):
@@ -132,16 +135,26 @@ def add_menu_and_slider(
     restyled: list[int],
     slider_prefix: str,
     slider_active: int = 0,
-    menu_y: float = 1.02,
+    above: int = SUBPLOT_TITLE_PX,
+    bottom: int = 170,
 ) -> go.Figure:
-    """Add the twin's controls to `fig`.
+    """Add the twin's controls to `fig` (whose height, title and subtitle are set) and lay it out: from the
+    top, the title and subtitle, the menu on a row of its own (so that it covers neither them nor a legend),
+    `above` px for what sits right above the plots (subplot titles, a legend), the plots, and `bottom` px for
+    the axis titles, the slider and the legend below (plotly takes more where they need it).
 
     menu: (label, visible flag of every trace, layout changes) per entry (method "update"); the figure's
     traces must start in the state of the first entry. slider: (label, data) per step, where data maps a trace
     attribute to one value per trace in `restyled` (method "restyle" on those traces only); the traces must
     start in the state of step `slider_active`.
     """
+    subtitle = fig.layout.title.subtitle.text
+    lines = subtitle.count("<br>") + 1 if subtitle else 0
+    top = TITLE_PX + lines * SUBTITLE_LINE_PX + MENU_PX + above
+    plots = fig.layout.height - top - bottom  # px; a menu is placed in the plots' coordinates (paper)
     fig.update_layout(
+        title={"yref": "container", "y": 1, "yanchor": "top", "pad": {"t": 15}},
+        margin={"t": top, "b": bottom},
         updatemenus=[
             {
                 "buttons": [
@@ -149,9 +162,9 @@ def add_menu_and_slider(
                     for label, visible, layout in menu
                 ],
                 "direction": "down",
-                "x": 1,
-                "xanchor": "right",
-                "y": menu_y,
+                "x": 0,
+                "xanchor": "left",
+                "y": 1 + above / plots,
                 "yanchor": "bottom",
             }
         ],
