@@ -30,10 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 # The test's own JupyterLab user settings: every cell in the page at once (the lab's default attaches cells
 # out of view later, while idle), and no news popup over the page; the workspace (open tabs) starts empty.
+# Extensions that nothing here uses are off (MathJax, the table of contents, the debugger, ...: a third of the
+# browser's work).
 USER_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
 }
+UNUSED = ("mathjax", "toc", "lsp", "debugger", "completer", "documentsearch", "extensionmanager")
+PAGE_CONFIG = {"disabledExtensions": {f"@jupyterlab/{name}-extension": True for name in UNUSED}}
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,8 @@ class Lab:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    """`make lab` on a free port with a token, its own user settings (USER_SETTINGS) and workspaces."""
+    """`make lab` on a free port with a token, its own user settings (USER_SETTINGS, PAGE_CONFIG) and
+    workspaces."""
     home = tmp_path_factory.mktemp("lab")
     for name, settings in USER_SETTINGS.items():
         (home / "settings" / name).parent.mkdir(parents=True, exist_ok=True)
@@ -123,8 +128,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     token = secrets.token_hex(16)
     args = (f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0 "
             f"--IdentityProvider.token={token}")
+    (home / "config" / "labconfig").mkdir(parents=True)
+    (home / "config" / "labconfig" / "page_config.json").write_text(json.dumps(PAGE_CONFIG))
     env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
+           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"), "JUPYTER_CONFIG_DIR": str(home / "config")}
     log = (home / "lab.log").open("w")
     server = subprocess.Popen(["make", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
@@ -255,7 +262,7 @@ class Chapter:
 
 def test_explorers_follow_their_controls_in_jupyterlab(lab: Lab, browser) -> None:
     """Every chapter with an explorer, open side by side in one lab (their kernels start and run at once)."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": 1200, "height": 800})
     try:
         names = list(EXPLORERS)
         page.goto(f"{lab.url}/lab/tree/{names[0]}?token={lab.token}")
