@@ -253,10 +253,13 @@ class Chapter:
     def close(self) -> None:
         """Once saved (autosave) with its file unchanged, the chapter closes without a question."""
         self.page.wait_for_function("(tab) => !tab.classList.contains('jp-mod-dirty')",
-                                    arg=self.tab.element_handle(), timeout=30_000)
+                                    arg=self.tab.element_handle(), timeout=60_000)
         assert self.path.read_bytes() == self.text, f"running {self.name} in the lab changed the file"
         self.tab.locator(".lm-TabBar-tabCloseIcon").click()
-        self.page.wait_for_timeout(500)
+        self.page.wait_for_function(  # the tab closes, or a dialog asks something
+            "(name) => document.querySelector('.jp-Dialog')"
+            " || ![...document.querySelectorAll('.lm-TabBar-tab')].some(t => t.textContent === name)",
+            arg=self.name, timeout=60_000)
         assert self.page.locator(".jp-Dialog").count() == 0, f"closing {self.name} asks something"
 
 
