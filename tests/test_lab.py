@@ -183,13 +183,14 @@ BLANK_MENUS = """(cell) => [...cell.querySelectorAll('.widget-dropdown')].filter
 }).map(d => d.querySelector('label')?.textContent)"""
 COLLAPSED = "cells => cells.flatMap((c, i) => c.querySelector('.jp-InputPlaceholder') ? [i] : [])"
 RAN = "(cell) => /\\[\\d+\\]/.test(cell.querySelector('.jp-InputPrompt').textContent)"
+QUEUED = "(cell) => /\\[(\\*|\\d+)\\]/.test(cell.querySelector('.jp-InputPrompt').textContent)"
 
 
 class Chapter:
     """One chapter open in the lab: its tab, its cells, its explorer."""
 
-    def __init__(self, page, lab: Lab, name: str) -> None:
-        self.page, self.lab, self.name = page, lab, name
+    def __init__(self, page, name: str) -> None:
+        self.page, self.name = page, name
         self.path = BOOK / name
         self.text = self.path.read_bytes()
         self.cells = jupytext.read(self.path).cells
@@ -198,39 +199,49 @@ class Chapter:
         self.tab = page.locator(".lm-TabBar-tab", has_text=name)
 
     def show(self):
-        """Bring the chapter's tab to the front; its notebook's cells."""
+        """Bring the chapter's tab to the front; its notebook panel."""
         self.tab.click()
         panel = self.page.locator(f"#{self.tab.get_attribute('data-id')}")
         panel.locator(f".jp-Cell >> nth={len(self.cells) - 1}").wait_for(state="attached", timeout=60_000)
-        return panel.locator(".jp-Notebook .jp-Cell")
-
-    def kernel_idle(self) -> bool:
-        return any(s["path"] == self.name and s["kernel"]["execution_state"] == "idle"
-                   for s in self.lab.api("GET", "sessions"))
+        return panel
 
     def run(self) -> None:
-        """Check which cells open collapsed, then run the cells the explorer needs (queued, not awaited)."""
-        cells = self.show()
+        """Check which cells open collapsed, then queue the cells the explorer needs (once the lab's kernel
+        is idle; each one's prompt shows it queued)."""
+        panel = self.show()
+        cells = panel.locator(".jp-Notebook .jp-Cell")
         assert cells.count() == len(self.cells), self.name
         tagged = [i for i, c in enumerate(self.cells)
                   if any("source_hidden" in HIDDEN.get(tag, ()) for tag in c.metadata.get("tags", []))]
         assert cells.evaluate_all(COLLAPSED) == tagged, f"{self.name}: the cells the site hides, collapsed"
-        for _ in range(600):
-            if self.kernel_idle():
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"{self.name}: its kernel was not idle within 300 s")
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        panel.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=300_000)
         for i in self.needs:
-            cells.nth(i).locator(".jp-InputPrompt").first.click()
-            self.page.keyboard.press("Control+Enter")
+            cell = cells.nth(i)
+            for _ in range(3):
+                cell.locator(".jp-InputPrompt").first.click()
+                self.page.keyboard.press("Control+Enter")
+                try:
+                    self.page.wait_for_function(QUEUED, arg=cell.element_handle(), timeout=10_000)
+                    break
+                except PlaywrightTimeout:
+                    continue
+            else:
+                pytest.fail(f"{self.name}: cell {i} could not be queued")
 
     def explore(self) -> None:
         """Wait for the explorer's cells to run, then change its controls: each change redraws the figure."""
-        cells = self.show()
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        cells = self.show().locator(".jp-Notebook .jp-Cell")
         for i in self.needs:
             cell = cells.nth(i)
-            self.page.wait_for_function(RAN, arg=cell.element_handle(), timeout=300_000)
+            try:
+                self.page.wait_for_function(RAN, arg=cell.element_handle(), timeout=300_000)
+            except PlaywrightTimeout:
+                prompt = cell.locator(".jp-InputPrompt").first.inner_text()
+                pytest.fail(f"{self.name}: cell {i} did not run in 300 s (its prompt: {prompt!r})")
             errors = cell.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
             assert not errors.count(), f"{self.name}, cell {i}: {errors.first.inner_text()}"
         cell = cells.nth(self.needs[-1])
@@ -273,7 +284,7 @@ def test_explorers_follow_their_controls_in_jupyterlab(lab: Lab, browser) -> Non
         for name in names[1:]:
             page.locator(".jp-DirListing-item", has_text=name).dblclick()
             page.locator(".lm-TabBar-tab", has_text=name).wait_for(timeout=60_000)
-        chapters = [Chapter(page, lab, name) for name in names]
+        chapters = [Chapter(page, name) for name in names]
         for chapter in chapters:
             chapter.run()
         for chapter in chapters:
