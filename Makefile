@@ -41,27 +41,33 @@ test: setup
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile \
 		--no-loadscope-reorder
 
-# JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files.
-# Exploring changes no file in book/: autosave is off (the lab would otherwise rewrite every opened chapter:
-# kernelspec display name, key order, blank lines in code cells), so a chapter is written only when you save
-# it, and checkpoints go to _build/lab-checkpoints. Kernels run compiled on a CUDA machine and under the
-# Triton interpreter elsewhere. The lab's kernels and terminals have $(VENV)/bin first on PATH (terminals
-# source LAB_BASHRC after ~/.bashrc, since a login shell's /etc/profile would reset PATH), so the README's
-# `lowprec ...` commands work there.
-LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
-LAB_SETTINGS := {"@jupyterlab/docmanager-extension:plugin": {"autosave": false, \
+# JupyterLab opens the MyST chapters (book/*.md) as notebooks (jupytext) rather than as text files, through
+# _ext/lab_contents.py: cells the site hides (hide-input, remove-cell, ...) open collapsed, and a save writes a
+# chapter only when its text changed, so running a chapter changes no file in book/ and autosave (every few
+# seconds) leaves it marked saved; edited cells are saved as usual. The lab's settings (LAB_SETTINGS) and
+# the terminals' rc file live in _build/lab, checkpoints in _build/lab-checkpoints. Kernels run compiled on a
+# CUDA machine and under the Triton interpreter elsewhere. The lab's kernels and terminals have $(VENV)/bin
+# first on PATH (terminals source LAB_BASHRC after ~/.bashrc, since a login shell's /etc/profile would reset
+# PATH), so the README's `lowprec ...` commands work there. LAB_ARGS adds options (tests/test_lab.py: port,
+# token, no browser).
+LAB_DIR := _build/lab
+LAB_SETTINGS := {"@jupyterlab/docmanager-extension:plugin": {"autosave": true, "autosaveInterval": 3, \
 	"defaultViewers": {"markdown": "Jupytext Notebook", "myst": "Jupytext Notebook"}}}
-LAB_BASHRC := $(VENV)/share/jupyter/lab/bashrc
+LAB_BASHRC := $(LAB_DIR)/bashrc
+LAB_ARGS ?=
 VENV_BIN := $(abspath $(VENV))/bin
 lab: setup
-	mkdir -p $(dir $(LAB_OVERRIDES)) _build/lab-checkpoints
-	echo '$(LAB_SETTINGS)' > $(LAB_OVERRIDES)
+	mkdir -p $(LAB_DIR)/settings _build/lab-checkpoints
+	echo '$(LAB_SETTINGS)' > $(LAB_DIR)/settings/overrides.json
 	printf '%s\n' '[ -f ~/.bashrc ] && . ~/.bashrc' 'PATH="$(VENV_BIN):$$PATH"' > $(LAB_BASHRC)
 	if ! $(PY) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then \
 		export TRITON_INTERPRET=1; fi; \
-	PATH="$(VENV_BIN):$$PATH" $(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \
+	PATH="$(VENV_BIN):$$PATH" PYTHONPATH="$(abspath _ext)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) \
+		--ServerApp.contents_manager_class=lab_contents.ChapterContentsManager \
+		--LabApp.app_settings_dir=$(abspath $(LAB_DIR)/settings) \
 		--ServerApp.terminado_settings="shell_command=['$(SHELL)','--rcfile','$(abspath $(LAB_BASHRC))']" \
-		--FileCheckpoints.checkpoint_dir=$(abspath _build/lab-checkpoints) book/
+		--FileCheckpoints.checkpoint_dir=$(abspath _build/lab-checkpoints) $(LAB_ARGS) book/
 
 lint: setup
 	$(PY) -m ruff check lib tests book _ext

@@ -1,6 +1,8 @@
-"""Test order: tests/test_book.py first. Its site build executes every chapter (the longest single job), so
-under `make test` (two workers, one file each at a time, no reordering) it starts at once on one worker while
-the other worker runs the rest. Every kernel the tests start polls its channels in one-second slices
+"""Test order: tests/test_book.py first, tests/test_lab.py second. The site build executes every chapter (the
+longest single job), so under `make test` (two workers, one file each at a time, no reordering) it starts at
+once on one worker, and the JupyterLab test (the next longest) at once on the other, which then runs the rest
+(a worker is handed its next file before it finishes the one it runs: a long file third would wait for the
+site build). Every kernel the tests start polls its channels in one-second slices
 (_ext/kernel_poll.py: a missed wake-up otherwise stalls a notebook test for its whole cell timeout)."""
 
 from __future__ import annotations
@@ -17,4 +19,6 @@ kernel_poll.apply()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name != "test_book.py")  # stable: the rest keep their order
+    first = ["test_book.py", "test_lab.py"]
+    rank = {name: i for i, name in enumerate(first)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(first)))  # stable: the rest keep their order

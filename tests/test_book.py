@@ -202,6 +202,42 @@ PAGE_CHECK = """() => {
 }"""
 
 
+# What makes a figure hard to read: a menu over a legend entry, the title or the subtitle; an annotation not
+# drawn inside the figure (e.g. placed at a log axis's value instead of its log10); a table taller than its
+# figure (plotly cuts the rows below off); a category axis that labels only some of its categories (at most
+# 60: plotly skips labels that would overlap).
+LEGIBLE = """() => {
+  const box = e => e.getBoundingClientRect();
+  const meet = (a, b) => a.width > 0 && b.width > 0 && a.left < b.right && b.left < a.right
+    && a.top < b.bottom && b.top < a.bottom;
+  const problems = [];
+  for (const gd of document.querySelectorAll('.plotly-graph-div')) {
+    if (!gd._fullLayout) continue;
+    const name = `figure "${(gd.layout.title?.text ?? '').slice(0, 60)}"`, g = box(gd);
+    const menus = [...gd.querySelectorAll('.updatemenu-header')].map(box);
+    const covered = [...gd.querySelectorAll('.legend .traces, .gtitle, .gtitle-subtitle')]
+      .filter(e => menus.some(m => meet(m, box(e))));
+    if (covered.length)
+      problems.push(`${name}: its menu covers ${covered.map(e => e.textContent).join(', ')}`);
+    const texts = gd._fullLayout.annotations.filter(a => a.visible !== false && a.text).length;
+    const drawn = [...gd.querySelectorAll('.annotation')].filter(a => {
+      const b = box(a);
+      return b.width > 0 && b.top >= g.top - 1 && b.bottom <= g.bottom + 1;
+    }).length;
+    if (drawn < texts) problems.push(`${name}: ${texts - drawn} of ${texts} annotations not drawn in it`);
+    const cells = [...gd.querySelectorAll('.cell-rect')].map(box);
+    if (cells.length && Math.max(...cells.map(c => c.bottom)) > g.bottom + 1)
+      problems.push(`${name}: rows cut off`);
+    for (const [axis, ax] of Object.entries(gd._fullLayout).filter(([key]) => /^[xy]axis\\d*$/.test(key))) {
+      const n = (ax._categories ?? []).length, shown = (ax._vals ?? []).length;
+      if (ax.type === 'category' && ax.visible && ax.showticklabels && n <= 60 && shown < n)
+        problems.push(`${name}: ${axis} labels ${shown} of its ${n} categories`);
+    }
+  }
+  return problems;
+}"""
+
+
 # MathJax is a deferred script: on a heavy page it may not have started when the network goes idle, so wait
 # for its startup promise to exist (up to 30 s) before awaiting the typesetting it stands for.
 WAIT_FOR_MATHJAX = """async () => {
@@ -213,10 +249,11 @@ WAIT_FOR_MATHJAX = """async () => {
 }"""
 
 
-# Outputs reach the DOM some time after the network is idle (the theme moves them into place): wait until
-# the number of figures and widget views has not changed for a second (at most 30 s).
+# Outputs reach the DOM some time after the network is idle (the theme moves them into place, the widgets'
+# figures are drawn after their views): wait until the number of figures, drawn figures and widget views has
+# not changed for a second (at most 30 s).
 SETTLE = """async () => {
-  const count = () => document.querySelectorAll('.plotly-graph-div, .jupyter-widgets').length;
+  const count = () => document.querySelectorAll('.plotly-graph-div, .main-svg, .jupyter-widgets').length;
   const sleep = () => new Promise(r => setTimeout(r, 200));
   let last = -1, stable = 0;
   for (let i = 0; i < 150 && stable < 5; i++) {
@@ -283,7 +320,7 @@ async def drive_twin(page, index: int) -> list[str]:
 
 @dataclass
 class Visit:
-    problems: list[str]  # console errors, failed or external requests, undrawn output
+    problems: list[str]  # console errors, failed or external requests, undrawn output, illegible figures
     twins: dict[str, list[str]]  # each static twin (its figure index and title) -> what did not respond
 
 
@@ -304,6 +341,7 @@ async def visit_page(browser, url: str, server: str) -> Visit:
         await page.evaluate(WAIT_FOR_MATHJAX)
         await page.evaluate(SETTLE)
         state = await page.evaluate(PAGE_CHECK)
+        problems += await page.evaluate(LEGIBLE)
         twins = {f"figure {twin['index']}, {twin['title']}": await drive_twin(page, twin["index"])
                  for twin in await page.evaluate(TWINS)}  # two twins may share a title
     finally:

@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import ipywidgets as widgets
 import nbclient
 import nbformat
 import pytest
@@ -169,7 +170,8 @@ def test_precision_live_panel_controls() -> None:
     panel = precision_explorer(rows=64)
     fields = set(Setting.__dataclass_fields__) - set(POINTS)
     assert set(panel.controls) == fields | {f"{p}_{part}" for p in POINTS for part in ("format", "mode")}
-    assert len(panel.widget.children) == 1 + 5 + 2  # note, five rows of controls, the text note, the text
+    assert len(panel.widget.children) == 1 + 5 + 3  # note, five rows of controls, text note, text, figure
+    assert panel.widget.children[-1] is panel.plot
     changes = (
         ("weights_format", "e8m3", "weights=e8m3"), ("weights_mode", "ones", "e8m3@ones"),
         ("family", "near ties, r on bf16 grid", "r on bf16 grid"), ("ties", 6, "k = 6"),
@@ -181,6 +183,31 @@ def test_precision_live_panel_controls() -> None:
         panel.controls[name].value = value
         title = panel.figure.layout.title
         assert shown in title.text + title.subtitle.text and panel.figure.to_json() != before, name
+
+
+def test_dropdowns_show_every_option() -> None:
+    """A dropdown option whose value is None shows its label (ipywidgets alone shows a blank menu for it),
+    whether picked in the menu (its index) or set in code (its value); every live panel's menus are these."""
+    from lowprec.viz.control_explorer import control_explorer
+    from lowprec.viz.panels import Dropdown, dropdown
+    from lowprec.viz.run_browser import run_browser
+
+    menu = dropdown("Fix", [("off", None), ("β = 2", 2.0)])
+    assert (menu.index, menu.label, menu.value) == (0, "off", None)
+    menu.index = 1
+    menu.index = 0
+    assert (menu.index, menu.label, menu.value) == (0, "off", None)
+    menu.value = 2.0
+    menu.value = None
+    assert (menu.index, menu.label) == (0, "off")
+    assert dropdown("Fix", [("off", None), ("β = 2", 2.0)], 2.0).label == "β = 2"
+    panels = {"precision": precision_explorer(rows=64), "run browser": run_browser(LEAD),
+              "control": control_explorer(steps=20)}
+    for name, panel in panels.items():
+        menus = {key: c for key, c in panel.controls.items() if isinstance(c, widgets.Dropdown)}
+        assert menus and all(isinstance(c, Dropdown) for c in menus.values()), name
+        blank = [key for key, c in menus.items() if c.index is None or not c.label]
+        assert not blank, f"{name}: {blank} show no label"
 
 
 def test_precision_twin() -> None:
@@ -235,8 +262,8 @@ def test_control_twin() -> None:
 
 
 # Each live panel, all in one kernel: build it small, remember its text and figure, change one control,
-# compare. The panel's figure is a display (updated in place through its display id), so the panel's first
-# output must hold the new figure afterwards, as a Jupyter client shows it.
+# compare. The panel's text and figure are Output widgets whose state the kernel sets, so the client (nbclient
+# here, JupyterLab for a reader: tests/test_lab.py) must receive the new figure as that widget's state.
 LIVE = {
     "precision": (
         "from lowprec.viz.precision_explorer import precision_explorer\npanel = precision_explorer(rows=64)",
@@ -254,18 +281,18 @@ LIVE = {
 
 
 def live_cells(build: str, control: str, value: str, expected: str) -> list[str]:
-    """One panel's four cells: build it, remember its text and figure, change `control`, compare."""
+    """One panel's four cells: build it, remember its text and figure, change `control`, compare; the last
+    cell prints the figure widget's id and the new figure's title."""
     return [
         build + "\npanel",
-        wait_for("panel.text.outputs")
-        + "before = str(panel.text.outputs), panel.figure.to_json()\n"
-        "assert 'snapshot' in panel.widget.children[0].value and panel.handle is not None",
+        "before = str(panel.text.outputs), panel.figure.to_json()\n"
+        "assert 'snapshot' in panel.widget.children[0].value and panel.plot.outputs",
         f"panel.controls[{control!r}].value = {value}",
-        wait_for("str(panel.text.outputs) != before[0]")
-        + "after = str(panel.text.outputs), panel.figure.to_json()\n"
+        "after = str(panel.text.outputs), panel.figure.to_json()\n"
         f"assert after[0] != before[0] and {expected!r} in after[0] + after[1], (before[0], after[0])\n"
         f"assert {expected!r} not in before[0] + before[1] and after[1] != before[1]\n"
-        "assert 'cannot compute' not in after[0]\nprint(panel.figure.layout.title.text)",
+        "assert 'cannot compute' not in after[0]\n"
+        "print(panel.plot.model_id)\nprint(panel.figure.layout.title.text)",
     ]
 
 
@@ -285,12 +312,14 @@ def test_live_panels_update_in_a_kernel() -> None:
     changing a control re-renders its output (what a JupyterLab reader sees)."""
     cells = [cell for args in LIVE.values() for cell in live_cells(*args)] + LIVE_EXPLORER
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code) for code in cells])
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3").execute()
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3")
+    client.execute()
     for i, name in enumerate(LIVE):
-        title = notebook.cells[4 * i + 3].outputs[0]["text"].strip()
+        plot, title = notebook.cells[4 * i + 3].outputs[0]["text"].strip().split("\n", 1)
         shown = [o for o in notebook.cells[4 * i].outputs if o["output_type"] == "display_data"]
-        assert len(shown) == 2, f"{name}: the panel's widgets and its figure"
-        assert title and title in str(shown[1]["data"]), f"{name}: the figure output was updated in place"
+        assert len(shown) == 1 and "application/vnd.jupyter.widget-view+json" in shown[0]["data"], name
+        (figure,) = client.widget_state[plot]["outputs"]
+        assert title and title in str(figure["data"]), f"{name}: the client holds the new figure"
 
 
 def test_control_twin_menu_of_settings_reads_records_of_each() -> None:

@@ -32,9 +32,11 @@ SMOKE = [arg for s in ("max_iters=4", "log_interval=2", "ckpt_interval=2", "ckpt
 # `python -m lowprec.cli ARGS` runs (`sys.exit(cli.main())`, an uncaught exception printed with its traceback
 # and exit status 1); its exit status goes back on stdout. `fsize` caps the size of any file it writes.
 WARM = """
-import json, os, resource, signal, sys, traceback
+import importlib, json, os, resource, signal, sys, traceback
 from lowprec import cli
-cli.build_parser()  # imports every command's module
+for entry in cli.COMMANDS.values():  # every command's module, imported once before the forks
+    for module, _ in [entry] if isinstance(entry, tuple) else entry.values():
+        importlib.import_module(module)
 for line in sys.stdin:
     job = json.loads(line)
     pid = os.fork()

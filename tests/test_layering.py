@@ -119,6 +119,18 @@ def test_nothing_imports_the_cli() -> None:
     assert not users, f"{users} import lowprec.cli: commands register in cli.COMMANDS instead"
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["experiment", "--help"]])
+def test_help_imports_no_command_module(argv: list[str]) -> None:
+    """`lowprec --help` and a group's help list the commands without importing them (nor torch)."""
+    code = "\n".join([
+        "import sys", "from lowprec import cli", "try:", "    cli.main(sys.argv[1:])", "except SystemExit:",
+        "    pass", "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('lowprec.'))",
+        "assert loaded == ['lowprec.cli'], loaded",
+    ])  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert result.returncode == 0 and "usage: lowprec" in result.stdout, result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("module,absent", [
     ("lowprec.runs", "torch"),
     ("lowprec.analysis", "lowprec.model"),

@@ -1,7 +1,10 @@
-"""The `lowprec` command. Every subcommand lives in its own module, which exposes `configure(parser)` (add
-arguments) and `run(args) -> int` (do the work, raising ValueError for a user mistake); modules are imported
-lazily, so `lowprec --help` stays fast and a missing optional dependency only affects its own subcommand.
-No module imports this one: `COMMANDS` is the one place a command is registered.
+"""The `lowprec` command: prepare data, train, replay, benchmark, measure and run the book's experiments.
+
+Every subcommand lives in its own module, which exposes `configure(parser)` (add arguments) and `run(args) ->
+int` (do the work, raising ValueError for a user mistake). A module is imported only when its command is
+chosen (`Commands`), so `lowprec --help` and `lowprec bench --help` import no torch, and a missing optional
+dependency only affects its own subcommand. No module imports this one: `COMMANDS` is the one place a command
+is registered.
 
 One contract for errors: a ValueError (RunRecordError included) or OSError from a command ends as one line
 `lowprec <command>: <message>` on stderr and exit status 2; `--traceback` (or LOWPREC_TRACEBACK=1) shows the
@@ -49,32 +52,46 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
 }
 
 
+class Commands(argparse._SubParsersAction):
+    """Subcommands whose parsers are configured by their module (`configure(parser)`) only when chosen."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: list[str],
+                 option_string: str | None = None) -> None:
+        chosen = self._name_parser_map.get(values[0])
+        defaults = chosen._defaults if chosen is not None else {}
+        if "_module" in defaults and not defaults.get("_configured"):
+            chosen.set_defaults(_configured=True)
+            try:
+                importlib.import_module(defaults["_module"]).configure(chosen)
+            except ModuleNotFoundError as exc:
+                if not exc.name or not defaults["_module"].startswith(exc.name):
+                    raise
+                chosen.set_defaults(_missing=f"'{defaults['_label']}' is not available in this version "
+                                    f"({defaults['_module']} is missing)")
+        super().__call__(parser, namespace, values, option_string)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowprec", description=__doc__.split("\n")[0])
     parser.add_argument("--traceback", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", action=Commands)
     for name, entry in COMMANDS.items():
         if isinstance(entry, tuple):
             add_command(sub, name, entry, f"lowprec {name}")
             continue
         group = sub.add_parser(name, help=f"{name}: {', '.join(entry)}", description=f"lowprec {name}")
-        inner = group.add_subparsers(dest=f"{name}_command", metavar=name.upper(), required=True)
+        inner = group.add_subparsers(dest=f"{name}_command", metavar=name.upper(), required=True,
+                                     action=Commands)
         for inner_name, inner_entry in entry.items():
             add_command(inner, inner_name, inner_entry, f"lowprec {name} {inner_name}")
     return parser
 
 
 def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, label: str) -> None:
-    """Let the entry's module configure its parser; a module that does not exist marks it unavailable."""
+    """A subcommand's parser, configured by its module once chosen (`Commands`)."""
     module, help_text = entry
     parser = sub.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(_module=module, _label=label)
-    try:
-        importlib.import_module(module).configure(parser)
-    except ModuleNotFoundError as exc:
-        if not exc.name or not module.startswith(exc.name):
-            raise
-        parser.set_defaults(_missing=f"'{label}' is not available in this version ({module} is missing)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -172,8 +172,7 @@ def _menu_slider_twin(fig: go.Figure, groups: Mapping[str, Sequence[Line]], v_me
     menu = [(g, [o in (None, g) for o in owner], {}) for g in groups]
     slider = [(f"{vm:+g}", {"y": [sig(c) for i in range(len(lines)) for c in curves(runs[i, vm])]})
               for vm in v_means]
-    return add_menu_and_slider(fig, menu, slider, list(range(len(owner))), "V mean (bias channel): ",
-                               menu_y=1.1)
+    return add_menu_and_slider(fig, menu, slider, list(range(len(owner))), "V mean (bias channel): ")
 
 
 def control_twin(
@@ -206,7 +205,7 @@ def control_twin(
     groups = {label(o, changes): [line(o, changes, a) for a in arms] for o, changes in settings}
     title = f"Positive control ({placement}): pick the optimizer and bias weight (menu), V's mean (slider)"
     fig = _frame(title, f"{steps} steps from W_Q(0); bias weight {cfg.bias_weight:g} unless the menu says, "
-                 f"Fix β = {cfg.beta:g}", height=540, top=130)
+                 f"Fix β = {cfg.beta:g}", height=540)
     return _menu_slider_twin(fig, groups, v_means, steps)
 
 
@@ -233,5 +232,5 @@ def cure_twin(
     groups = {name: [line(name)] for name in names}
     fig = _frame("Cures in the positive control: pick the cure (menu) and V's mean (slider)",
                  f"{optimizer}, {steps} steps from W_Q(0), bias weight {cfg.bias_weight:g}; black: fa2 "
-                 f"without a cure ({base}), in every state", height=540, top=130)
+                 f"without a cure ({base}), in every state", height=540)
     return _menu_slider_twin(fig, groups, v_means, steps, shared=[line(base)])

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
+from collections.abc import Sequence
+
 import plotly.graph_objects as go
 import torch
 
 from lowprec.formats import Format, as_format, bits, round_to
 
 FIELD_COLOURS = {"sign": "#d62728", "exponent": "#1f77b4", "significand": "#2ca02c"}
+# A table's layout (px): a width at or below the width the book's pages give a figure (688 in a window 1280
+# wide, 736 or 790 in others); plotly's 12 px table text: width per character (on average, rounded up), a
+# cell's padding either side, height per line; and a row's padding (measured in Chromium)
+TABLE_WIDTH, CHAR_WIDTH, CELL_PADDING, LINE_HEIGHT, ROW_PADDING = 680, 6.0, 6, 16, 20
 
 
 def new_figure(title: str, x_title: str, y_title: str, **layout) -> go.Figure:
@@ -51,4 +59,29 @@ def bit_fields_figure(value: float, formats: list[Format | str]) -> go.Figure:
         )
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(range=[0, 32.5], dtick=4, tick0=0)
+    return fig
+
+
+def table_figure(title: str, header: Sequence[str], rows: Sequence[Sequence[str]],
+                 widths: Sequence[float]) -> go.Figure:
+    """A plotly table (cells may hold <b> and the like), columns as wide as `widths` relative to each other,
+    and tall enough for every row at TABLE_WIDTH px or wider: plotly wraps a cell's text to its column, but
+    would cut off the rows below the figure's height."""
+
+    chars = [max(4, int((w / sum(widths) * TABLE_WIDTH - 2 * CELL_PADDING) / CHAR_WIDTH)) for w in widths]
+
+    def lines(row: Sequence[str]) -> int:
+        """Lines of the row's tallest cell at TABLE_WIDTH px (`chars` characters a line per column)."""
+        return max(len(textwrap.wrap(re.sub(r"<[^>]+>", "", cell), n)) or 1
+                   for cell, n in zip(row, chars, strict=True))
+
+    header = [f"<b>{h}</b>" for h in header]
+    fig = go.Figure(go.Table(
+        columnwidth=list(widths),
+        header={"values": header, "align": "left", "fill_color": "#e8f1fa"},
+        cells={"values": [list(col) for col in zip(*rows, strict=True)], "align": "left"},
+    ))  # fmt: skip
+    top = 60
+    height = top + sum(lines(row) * LINE_HEIGHT + ROW_PADDING for row in [header, *rows]) + 10
+    fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": top, "b": 10})
     return fig

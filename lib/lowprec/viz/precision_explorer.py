@@ -67,6 +67,7 @@ WINDOWS = (1e-3, 0.045)  # the near-tie window slider's range (a Case's window m
 V_MEANS = (-1.5, -1.0, -0.75, 3.0)  # mid-binade, at a power of two (O near -1), mid-binade either side of 1
 BETAS = {"off": None, "β = 2": 2.0, "β = 4": 4.0, "β = 7": 7.0}
 TOLS = {"P̄'s round-to-1 window": None, "0 (exact ties)": 0.0, "1e-3 (paper's code)": 1e-3, "1e-2": 1e-2}
+LEGEND_ABOVE_PX = 32  # px: the twin's legend, one row right above its plots (below its menu)
 TWIN_COLOURS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")  # one per twin precision
 
 
@@ -373,21 +374,21 @@ def precision_twin(
         fix = Fix.parse(f)
         label = "off" if fix is None else fix_label(fix).removeprefix("Fix ").replace(", ties per tile", "")
         slider.append((label, {key: [v for s in steps for v in s[key]] for key in ("y", "text")}))
-    add_menu_and_slider(fig, menu, slider, list(range(n)), "the Fix (ties per tile): ")
-    fig.layout.sliders[0].pad.t = 80  # below the two-line tick labels and the axis titles
     fig.update_xaxes(title_text="δ_lp − δ_hp per row (dimensionless)", row=1, col=1)
     fig.update_yaxes(title_text="rows (%)", rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="error of", row=2, col=1)
     fig.update_yaxes(title_text="t (dimensionless)", row=2, col=1)
-    fig.update_xaxes(title_text="precision", tickangle=0, row=2, col=2)
+    fig.update_xaxes(title_text="precision", tickangle=0, tickfont={"size": 10}, row=2, col=2)
     fig.update_yaxes(title_text="entries (count per row)", rangemode="tozero", row=2, col=2)
     fig.update_layout(
         title={"text": f"Signed error of each precision on adversarial rows ({rows:,} rows per case)",
                "subtitle": {"text": "pick the rows (menu) and the Fix (slider); "
                                     f"dotted: |t| = {BIASED_T:g}, biased beyond"}},
-        height=800, margin={"t": 120}, barmode="group", bargap=0.3,
-        legend={"orientation": "h", "yref": "paper", "y": 1.02, "yanchor": "bottom", "x": 0},
+        height=840, barmode="group", bargap=0.3,
+        legend={"orientation": "h", "yref": "paper", "y": 1.01, "yanchor": "bottom", "x": 0},
     )  # fmt: skip
+    add_menu_and_slider(fig, menu, slider, list(range(n)), "the Fix (ties per tile): ", above=LEGEND_ABOVE_PX)
+    fig.layout.sliders[0].pad.t = 80  # below the two-line tick labels and the axis titles
     return fig
 
 

@@ -177,7 +177,7 @@ def run_twin(runs: dict[str, Run], layer: int = 1,
     if len(layers) != 1:
         raise ValueError(f"the runs of a twin need one number of layers, got {sorted(layers)}")
     n_layers = layers.pop()
-    fig = _frame(title, run_note(names[0], runs[names[0]], False, "<br>"), height=1120, top=140)
+    fig = _frame(title, run_note(names[0], runs[names[0]], False, "<br>"), height=1120)
     restyled, groups = [], []
     for k, name in enumerate(names):
         run, first = runs[name], k == 0
@@ -204,5 +204,5 @@ def run_twin(runs: dict[str, Run], layer: int = 1,
         ys = [sig(series[name][i][1][signal][h]) for name in names
               for h in range(len(series[name][i][1][SIGNALS[0]])) for signal in SIGNALS]
         slider.append((str(i), {"y": ys}))
-    add_menu_and_slider(fig, menu, slider, restyled, "layer index: ", slider_active=layer, menu_y=1.06)
+    add_menu_and_slider(fig, menu, slider, restyled, "layer index: ", slider_active=layer, bottom=190)
     return fig
