@@ -127,12 +127,13 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     with pytest.raises(ValueError, match=f"stale: fa2/adam/lowp .* w_r_final {recorded!r} recorded, .* here "
                                          r"\(compared within 2%.*\); record it again: "):
         recorded_control(out, cfg, "fa2/adam/lowp")
-    record["provenance"]["torch"] = "2.0.0"  # another build: 5% passes, 15% does not
-    out.write_text(json.dumps(record))
-    assert recorded_control(out, cfg, "fa2/adam/lowp")["fa2/adam/lowp"]["summary"]["w_r_final"] != recorded
+    for key, other in (("cpu_capability", "DEFAULT"), ("torch", "2.0.0")):  # another build: 5% passes
+        record["provenance"][key] = other
+        out.write_text(json.dumps(record))
+        assert recorded_control(out, cfg, "fa2/adam/lowp")["fa2/adam/lowp"]["summary"]["w_r_final"] != recorded
     record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.15 / 1.05
     out.write_text(json.dumps(record))
-    with pytest.raises(ValueError, match=r"within 10%: torch 2.0.0 recorded"):
+    with pytest.raises(ValueError, match=r"within 10%: recorded with torch 2.0.0 on DEFAULT"):  # 15% fails
         recorded_control(out, cfg, "fa2/adam/lowp")
     del record["series"]
     out.write_text(json.dumps(record))
