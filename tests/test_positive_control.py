@@ -97,8 +97,8 @@ def test_cli_writes_record(tmp_path, capsys):
     assert record["config"]["steps"] == 3 and "git_commit" in record["provenance"]
     assert set(record["summary"]) == {"fa2/adam/lowp", "fp64/adam/reference"}
     assert "fa2/adam/lowp" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["experiment", "positive-control", "--treatments", "lowp,nofix"])
+    assert main(["experiment", "positive-control", "--treatments", "lowp,nofix"]) == 2
+    assert capsys.readouterr().err.startswith("lowprec experiment positive-control: argument --treatments")
     assert main([*argv[:-2], "--arms", "lowp", "--optimizers", "adam"]) == 0, "as the records' commands say"
 
 

@@ -3,9 +3,9 @@ arguments) and `run(args) -> int` (do the work, raising ValueError for a user mi
 lazily, so `lowprec --help` stays fast and a missing optional dependency only affects its own subcommand.
 No module imports this one: `COMMANDS` is the one place a command is registered.
 
-One contract for errors: a ValueError (RunRecordError included) or OSError from a command ends as one line
-`lowprec <command>: <message>` on stderr and exit status 2; `--traceback` (or LOWPREC_TRACEBACK=1) shows the
-traceback instead, for debugging.
+One contract for errors: a ValueError (RunRecordError included) or OSError from a command, like a bad
+argument, ends as one line `lowprec <command>: <message>` on stderr and exit status 2; `--traceback` (or
+LOWPREC_TRACEBACK=1) shows the traceback instead, for debugging.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 Command = tuple[str, str]  # (module, one-line help)
 COMMANDS: dict[str, Command | dict[str, Command]] = {
@@ -45,8 +46,20 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
 }
 
 
+class ArgumentsError(Exception):
+    """A bad or missing argument: the one line to print."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the error contract: a bad or missing argument raises ArgumentsError with one line
+    `<prog>: <message>` (a subcommand's parser is of the same class, its prog `lowprec <command>`)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentsError(f"{self.prog}: {' '.join(message.split())} (--help lists the arguments)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lowprec", description=__doc__.split("\n")[0])
+    parser = Parser(prog="lowprec", description=__doc__.split("\n")[0])
     parser.add_argument("--traceback", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, entry in COMMANDS.items():
@@ -75,7 +88,11 @@ def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, labe
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 2

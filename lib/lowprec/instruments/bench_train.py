@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from lowprec.checks import option
 from lowprec.configs import CONFIGS, TrainConfig, get_config
 from lowprec.model import GPT
 from lowprec.runs import provenance, write_json
@@ -71,11 +72,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "triton/precision=fa2); default: sdpa math")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per backend (default 50)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile; default 10)")
-    parser.add_argument("--telemetry-interval", type=int, default=None,
+    parser.add_argument("--telemetry-interval", type=option(int, 0), default=None,
                         help="telemetry interval of the overhead run (default: the config's; 0 skips it)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="config override, as for lowprec train")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: H200 989)")
+    parser.add_argument("--peak-tflops", type=option(float, 0, low_open=True), default=None,
+                        help="peak for MFU (default: H200 989)")
     parser.add_argument("--runs-dir", default=None, help="keep the run records here (default: a temp folder)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 

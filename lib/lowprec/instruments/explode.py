@@ -28,6 +28,7 @@ import torch
 from lowprec.analysis import format_runs, run_summary
 from lowprec.attention import AttentionSpec, Fix, Precision
 from lowprec.attention.spec import backends_with
+from lowprec.checks import option
 from lowprec.configs import CONFIGS, get_config
 from lowprec.runs import check_target, metrics_file, provenance, write_json
 
@@ -142,13 +143,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "paper64-fp32pv, bf16scores, bf16rowsum, onesK, kbitK, each optionally with "
                              "-consistent, then -fix; attn-fp32, model-fp32")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
-    parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
-    parser.add_argument("--gpus", type=int, default=None,
+    parser.add_argument("--minutes", type=option(float, 0, low_open=True), default=8.0,
+                        help="wall-clock budget; then SIGTERM")
+    parser.add_argument("--gpus", type=option(int, 0), default=None,
                         help="GPUs to spread the runs over (default: all visible; 0 = CPU)")
     parser.add_argument("--backend", default="triton", choices=FIX_BACKENDS, help="attention implementation")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="config override for every run (repeatable), e.g. --set lr=3e-3")
-    parser.add_argument("--grace", type=float, default=60.0, help="seconds a stopped run may take to save")
+    parser.add_argument("--grace", type=option(float, 0), default=60.0,
+                        help="seconds a stopped run may take to save")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,12 +164,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
     if not arms or not seeds:
         raise ValueError("--arms and --seeds must each name at least one item")
-    if args.minutes <= 0:
-        raise ValueError(f"--minutes must be > 0, got {args.minutes}")
-    if args.grace < 0:
-        raise ValueError(f"--grace must be >= 0, got {args.grace}")
     visible = torch.cuda.device_count()
-    if args.gpus is not None and not 0 <= args.gpus <= visible:
+    if args.gpus is not None and args.gpus > visible:
         raise ValueError(f"--gpus {args.gpus}: this machine has {visible} visible GPU(s); pass 0..{visible} "
                          "(0 = CPU)")
     check_target(args.out, "--out")

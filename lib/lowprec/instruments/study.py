@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from lowprec.analysis import outcome, survival_table
+from lowprec.checks import option
 from lowprec.configs import CONFIGS, get_config
 from lowprec.instruments.explode import arm_overrides, launch, run_name, stop_all
 from lowprec.runs import RunRecordError, load_run, provenance, write_json
@@ -111,11 +112,15 @@ def status(queue: dict, home: Path, out: Path | None) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue", required=True, help="queue file (JSON; records beside it count as done)")
     parser.add_argument("--out", help="folder for new run records (one per arm and seed)")
-    parser.add_argument("--minutes", type=float, default=20.0, help="no run starts that would end after this")
-    parser.add_argument("--slots", type=int, default=1, help="runs at a time (on the one GPU, or the CPU)")
+    parser.add_argument("--minutes", type=option(float, 0, low_open=True), default=20.0,
+                        help="no run starts that would end after this")
+    parser.add_argument("--slots", type=option(int, 1), default=1,
+                        help="runs at a time (on the one GPU, or the CPU)")
     parser.add_argument("--status", action="store_true", help="print each run's state and the table, exit")
-    parser.add_argument("--dry-run", action="store_true", help="print what would start, and exit")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds a stopped run may take to end")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would start, and exit")
+    parser.add_argument("--grace", type=option(float, 0), default=30.0,
+                        help="seconds a stopped run may take to end")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,8 +132,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if out is None:
         raise ValueError("--out is required unless --status")
-    if args.minutes <= 0 or args.slots < 1:
-        raise ValueError(f"--minutes must be > 0 and --slots >= 1, got {args.minutes} and {args.slots}")
     for item in queue["runs"]:  # a bad override fails here, before anything starts
         get_config(queue["config"], run_overrides(queue, item["arm"], item["seed"]))
     every = states(queue, home, out)
