@@ -246,7 +246,7 @@ MISTAKES = {
                                             ["--out", "{file}/x.json"], ["--out", "is a file"]),
     "resume with another model shape": (lambda base, tmp_path: {"run": copy_of(base, tmp_path)}, "train",
                                         ["--out", "{run}", "--resume", "--set", "n_layer=3"],
-                                        ["ckpt.pt", "n_layer"]),
+                                        ["a resume may change only", "model.n_layer (2 -> 3)"]),
     "missing data": (NOTHING, "train", ["--config", "gpu-6l", "--out", "{tmp}/x", "--set", "device=cpu"],
                      ["no prepared token data"]),
     "--set seed=a": (NOTHING, "train", ["--config", "smoke-cpu", "--out", "{tmp}/x", "--set", "seed=a"],

@@ -197,7 +197,10 @@ def test_replay_window_starts_before_the_stop(original, tmp_path):
     stopped = tmp_path / "stopped"
     shutil.copytree(out, stopped)
     summary = json.loads((stopped / "summary.json").read_text())
+    summary.pop("record_sha256")  # the record is edited: no longer the one the run sealed
     (stopped / "summary.json").write_text(json.dumps({**summary, "status": "diverged", "diverged_step": 20}))
+    lines = (stopped / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (stopped / "metrics.jsonl").write_text("".join(lines[:21]))  # a diverged run logs up to its stop
     assert replay_window(stopped, 10, 5) == (8, 25)  # kept at 8, 16, 24: the last one <= 20 - 10
     assert replay_window(stopped, 4, 5) == (16, 25)
     assert replay_window(stopped, 15, 5) is None  # none kept by step 5

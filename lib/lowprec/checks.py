@@ -17,15 +17,15 @@ def _bound(value: float | None) -> str:
 
 
 def _describe(kind: type, low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
-    """E.g. "an int >= 1", "a finite number > 0", "a finite number in [0, 1)"."""
+    """E.g. ">= 1 (an int)", "> 0 (a finite number)", "in [0, 1) (a finite number)"."""
     what = "an int" if kind is int else "a finite number"
     lo, hi = (_bound(b) for b in (low, high))
     if low is not None and high is not None:
-        return f"{what} in {'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+        return f"in {'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'} ({what})"
     if low is not None:
-        return f"{what} {'>' if low_open else '>='} {lo}"
+        return f"{'>' if low_open else '>='} {lo} ({what})"
     if high is not None:
-        return f"{what} {'<' if high_open else '<='} {hi}"
+        return f"{'<' if high_open else '<='} {hi} ({what})"
     return what
 
 
