@@ -11,8 +11,10 @@ LOWPREC_TRACEBACK=1) shows the traceback instead, for debugging.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -86,7 +88,27 @@ def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, labe
         parser.set_defaults(_missing=f"'{label}' is not available in this version ({module} is missing)")
 
 
+PARENT_ENV = "LOWPREC_PARENT_PID"  # set by a harness that starts commands (`instruments.explode.launch`)
+PR_SET_PDEATHSIG = 1
+
+
+def follow_parent() -> None:
+    """For a command a harness started (PARENT_ENV names its PID): have Linux send this process SIGTERM when
+    the harness ends, however it ends (PR_SET_PDEATHSIG), so that a killed harness leaves no orphan (a trainer
+    checkpoints and stops); a harness already gone sends it now."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not for the commands this one starts
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the harness's own stop is all there is
+        return
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from lowprec.checks import option
 from lowprec.configs import CONFIGS, TrainConfig, get_config
+from lowprec.fsutil import check_target
 from lowprec.model import GPT
 from lowprec.runs import provenance, write_json
 from lowprec.train import train
@@ -85,6 +86,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 1:
         raise ValueError("--steps and --warmup must be >= 1")
+    if args.out:
+        check_target(args.out, "--out", folder=False)  # before the work, not after it
     base = get_config(args.config, args.overrides)
     for spec in args.backends:
         dataclasses.replace(base.model, attention=spec)  # validates the spec
