@@ -194,7 +194,7 @@ def check_resumable(run_dir: str | Path) -> None:
 class RunWriter:
     """Writes one run folder, holding its `RunLock` until `close()` (a lock the caller took, or a new one).
 
-    config.json holds the config with its sha256 and the run's `run_id`; each file's lines are hashed as they
+    config.json holds the config, the run's `run_id` and its own sha256; each file's lines are hashed as they
     are appended, so that `mark()` gives what a checkpoint must find again on resume (`record_matches`), and
     the summary of a closed run seals the whole record (record_sha256, checked by `load_run`). A writer stops
     (RunRecordError) rather than write to a file another process replaced. `resume=True` continues an
@@ -224,15 +224,15 @@ class RunWriter:
             self._count("metrics", metrics)
             self._count("events", events)
             self.run_id = record.get("run_id")
-            record.update(config=config, config_sha256=digest(config))
+            record["config"] = config
         else:
             check_free(self.dir)
             self.run_id = uuid.uuid4().hex
-            record = {"config": config, "config_sha256": digest(config), "run_id": self.run_id,
-                      "provenance": provenance(command)}
+            record = {"config": config, "run_id": self.run_id, "provenance": provenance(command)}
             for name in ("metrics.jsonl", "events.jsonl"):
                 (self.dir / name).write_text("")
             self.summary = {}
+        record["sha256"] = _own_digest(record)
         write_json(self.dir / "config.json", record, digits=None)
         self.record = record
         self.update_summary(status="running")
@@ -328,6 +328,11 @@ def _naming(path: str) -> Iterator[None]:
         yield
     except OSError as exc:
         raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _own_digest(obj: dict) -> str:
+    """The sha256 a JSON object holds of itself: `digest` of it without its "sha256" key."""
+    return digest({k: v for k, v in obj.items() if k != "sha256"})
 
 
 def _seal(metrics_sha256: str, events_sha256: str, record: dict, summary: dict) -> str:
@@ -479,8 +484,8 @@ def _keep_lines(path: Path, rows: list[tuple[str, dict]]) -> None:
 
 def load_record(run_dir: str | Path, keys: tuple[str, ...] = ("config",)) -> dict:
     """<run_dir>/config.json, checked: {"config": the run's config, "provenance", and in records that have
-    them "config_sha256" (which must match the config: a config edited by hand is refused) and "run_id"};
-    RunRecordError naming the file if it is missing, corrupt or edited (`keys`: the objects it must hold)."""
+    them "run_id" and "sha256" (of the rest: a file edited by hand is refused)}; RunRecordError naming the
+    file if it is missing, corrupt or edited (`keys`: the objects it must hold)."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
         raise RunRecordError(f"{path} does not exist (is {run_dir} the folder of a run?)")
@@ -488,8 +493,8 @@ def load_record(run_dir: str | Path, keys: tuple[str, ...] = ("config",)) -> dic
     for key in keys:
         if not isinstance(record.get(key), dict):
             raise RunRecordError(f"{path}: missing key {key!r} (the run's {key}), or not an object")
-    if "config_sha256" in record and record["config_sha256"] != digest(record["config"]):
-        raise RunRecordError(f"{path}: the config does not match its config_sha256 (changed since the run "
+    if "sha256" in record and record["sha256"] != _own_digest(record):
+        raise RunRecordError(f"{path}: the file does not match its sha256 (changed since the run "
                              "wrote it); restore it: `lowprec train --resume --set KEY=VALUE` makes the "
                              "changes a resume may make, and records them")
     return record
@@ -566,13 +571,14 @@ def _read_run(path: Path, stamp: tuple) -> Run:
     events, events_sha256 = _read_jsonl(path / "events.jsonl", EVENT_KEYS)
     summary = _read_json(path / "summary.json")
     sealed = summary.get("record_sha256")
-    if sealed is not None and sealed != _seal(metrics_sha256, events_sha256, record, round_floats(summary)):
+    intact = sealed is None or sealed == _seal(metrics_sha256, events_sha256, record, round_floats(summary))
+    if "explosion_step" in summary:  # the old name of diverged_step
+        summary["diverged_step"] = summary.pop("explosion_step")
+    _check_summary(path, summary, metrics)  # first: its message says what is wrong
+    if not intact:
         raise RunRecordError(f"{path}: the record does not match the record_sha256 in summary.json (a file "
                              "changed since the run ended: metrics.jsonl, events.jsonl, config.json or "
                              "summary.json)")
-    if "explosion_step" in summary:  # the old name of diverged_step
-        summary["diverged_step"] = summary.pop("explosion_step")
-    _check_summary(path, summary, metrics)
     return Run(path, record["config"], record["provenance"], metrics, events, summary)
 
 

@@ -215,7 +215,7 @@ class Trainer:
                          else contextlib.nullcontext())
         self.telemetry = (Telemetry(self.model, cfg.telemetry_power_iters)
                           if cfg.telemetry_interval and self.dist.main else None)
-        self.start_step, self.running_min, self.elapsed = 0, math.inf, 0.0
+        self.start_step, self.running_min, self.elapsed, self.last_loss = 0, math.inf, 0.0, None
         if init_from is not None:
             self._restore(Path(init_from), load_checkpoint(Path(init_from), STATE_KEYS))
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
@@ -341,6 +341,7 @@ class Trainer:
         if self.telemetry is not None and ckpt["telemetry"] is not None:
             self.telemetry.load_state_dict(ckpt["telemetry"])
         self.start_step, self.running_min, self.elapsed = ckpt["step"], ckpt["running_min"], ckpt["elapsed"]
+        self.last_loss = ckpt.get("last_loss")  # the loss of the step before (checkpoints since it was kept)
 
     def _checkpoint(self, next_step: int) -> None:
         """Save everything needed to continue at `next_step` (rank 0 writes; the file is shared)."""
@@ -355,6 +356,7 @@ class Trainer:
             digest = save_atomic({
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "rng": rng_state(), "step": next_step, "running_min": self.running_min,
+                "last_loss": self.last_loss,
                 "elapsed": self.elapsed + time.perf_counter() - self.t_start,
                 "telemetry": None if self.telemetry is None else self.telemetry.state_dict(),
                 "config": self.cfg.to_dict(), "run_id": self.writer.run_id, "record": self.writer.mark()},
@@ -506,7 +508,7 @@ class Trainer:
                 dist.barrier()  # the other ranks' (empty) run
             return self.done
         self.t_start = self.t_flush = time.perf_counter()
-        self.diverged_step, self.last_loss = None, None
+        self.diverged_step = None
         try:
             return self._finish(self._loop())
         except Exception as exc:
