@@ -97,8 +97,8 @@ def test_cli_writes_record(tmp_path, capsys):
     assert record["config"]["steps"] == 3 and "git_commit" in record["provenance"]
     assert set(record["summary"]) == {"fa2/adam/lowp", "fp64/adam/reference"}
     assert "fa2/adam/lowp" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["experiment", "positive-control", "--treatments", "lowp,nofix"])
+    assert main(["experiment", "positive-control", "--treatments", "lowp,nofix"]) == 2
+    assert capsys.readouterr().err.startswith("lowprec experiment positive-control: argument --treatments")
     assert main([*argv[:-2], "--arms", "lowp", "--optimizers", "adam"]) == 0, "as the records' commands say"
 
 
@@ -130,7 +130,8 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     for key, other in (("cpu_capability", "DEFAULT"), ("torch", "2.0.0")):  # another build: 5% passes
         record["provenance"][key] = other
         out.write_text(json.dumps(record))
-        assert recorded_control(out, cfg, "fa2/adam/lowp")["fa2/adam/lowp"]["summary"]["w_r_final"] != recorded
+        fresh = recorded_control(out, cfg, "fa2/adam/lowp")["fa2/adam/lowp"]["summary"]
+        assert fresh["w_r_final"] != recorded
     record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.15 / 1.05
     out.write_text(json.dumps(record))
     with pytest.raises(ValueError, match=r"within 10%: recorded with torch 2.0.0 on DEFAULT"):  # 15% fails

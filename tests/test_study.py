@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from lowprec.cli import main as lowprec_main
 from lowprec.runs import load_run
 
@@ -70,5 +69,5 @@ def test_study_rejects_a_bad_queue(tmp_path, capsys):
     assert "unknown arm" in capsys.readouterr().err
     (tmp_path / "queue.json").write_text("{")
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--status"]) == 2
-    with pytest.raises(SystemExit):
-        lowprec_main(["experiment", "study"])
+    assert lowprec_main(["experiment", "study"]) == 2
+    assert "the following arguments are required: --queue" in capsys.readouterr().err

@@ -26,7 +26,8 @@ KEPT = re.compile(r"ckpt-(\d+)\.pt")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is missing, has no checksum file, or does not match it (the message names the file)."""
+    """A checkpoint is missing or unreadable, has no checksum file, does not match it, is no checkpoint or
+    lacks a key (the message names the file)."""
 
 
 def rng_state() -> dict:
@@ -76,13 +77,16 @@ def save_atomic(obj: dict, path: Path) -> str:
     return digest
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, keys: tuple[str, ...] = ()) -> dict:
     """The checkpoint in `path` (tensors on the CPU), after checking its bytes against <path>.sha256;
-    CheckpointError naming the file when it is missing, has no checksum file or matches none of its sums."""
+    CheckpointError naming the file when it is missing or unreadable, has no checksum file, matches none of
+    its sums, is not a checkpoint torch loads or lacks one of `keys`."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"no checkpoint at {path}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     digests = _digests(path)
     if not digests:
         raise CheckpointError(f"checkpoint {path} has no checksum file {checksum_path(path).name} (lost, or "
@@ -90,7 +94,17 @@ def load_checkpoint(path: Path) -> dict:
     if hashlib.sha256(data).hexdigest() not in digests:
         raise CheckpointError(f"checkpoint {path} is corrupt: its sha256 does not match "
                               f"{checksum_path(path).name} (truncated or changed on disk)")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    try:
+        ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as exc:  # torch raises RuntimeError, pickle errors, EOFError...: none is a checkpoint
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise CheckpointError(f"checkpoint {path} matches its sha256 but is no checkpoint ({reason})") \
+            from None
+    missing = [k for k in keys if k not in ckpt] if isinstance(ckpt, dict) else list(keys)
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks {missing} (saved by another version, or not by "
+                              "lowprec train)")
+    return ckpt
 
 
 def kept_path(ckpt_dir: Path, step: int) -> Path:

@@ -6,17 +6,20 @@ chosen (`Commands`), so `lowprec --help` and `lowprec bench --help` import no to
 dependency only affects its own subcommand. No module imports this one: `COMMANDS` is the one place a command
 is registered.
 
-One contract for errors: a ValueError (RunRecordError included) or OSError from a command ends as one line
-`lowprec <command>: <message>` on stderr and exit status 2; `--traceback` (or LOWPREC_TRACEBACK=1) shows the
-traceback instead, for debugging.
+One contract for errors: a ValueError (RunRecordError included) or OSError from a command, like a bad
+argument, ends as one line `lowprec <command>: <message>` on stderr and exit status 2; `--traceback` (or
+LOWPREC_TRACEBACK=1) shows the traceback instead, for debugging.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import os
+import signal
 import sys
+from typing import NoReturn
 
 Command = tuple[str, str]  # (module, one-line help)
 COMMANDS: dict[str, Command | dict[str, Command]] = {
@@ -71,8 +74,20 @@ class Commands(argparse._SubParsersAction):
         super().__call__(parser, namespace, values, option_string)
 
 
+class ArgumentsError(Exception):
+    """A bad or missing argument: the one line to print."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the error contract: a bad or missing argument raises ArgumentsError with one line
+    `<prog>: <message>` (a subcommand's parser is of the same class, its prog `lowprec <command>`)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentsError(f"{self.prog}: {' '.join(message.split())} (--help lists the arguments)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lowprec", description=__doc__.split("\n")[0])
+    parser = Parser(prog="lowprec", description=__doc__.split("\n")[0])
     parser.add_argument("--traceback", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", action=Commands)
     for name, entry in COMMANDS.items():
@@ -94,9 +109,33 @@ def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, labe
     parser.set_defaults(_module=module, _label=label)
 
 
+PARENT_ENV = "LOWPREC_PARENT_PID"  # set by a harness that starts commands (`instruments.explode.launch`)
+PR_SET_PDEATHSIG = 1
+
+
+def follow_parent() -> None:
+    """For a command a harness started (PARENT_ENV names its PID): have Linux send this process SIGTERM when
+    the harness ends, however it ends (PR_SET_PDEATHSIG), so that a killed harness leaves no orphan (a trainer
+    checkpoints and stops); a harness already gone sends it now."""
+    parent = os.environ.pop(PARENT_ENV, None)  # not for the commands this one starts
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the harness's own stop is all there is
+        return
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentsError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 2

@@ -13,6 +13,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from lowprec.checks import number
 from lowprec.model import GPTConfig
 
 
@@ -61,25 +62,33 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
             self.model = GPTConfig(**self.model)
-        positive = ("batch_size", "grad_accum", "max_iters", "log_interval", "telemetry_seqs", "eval_batches")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_size", "grad_accum", "max_iters", "log_interval", "telemetry_seqs",
+                     "eval_batches", "telemetry_power_iters"):
+            number(name, getattr(self, name), int, 1)
+        for name in ("warmup_iters", "lr_decay_iters"):
+            number(name, getattr(self, name), int, 0)
+        number("seed", self.seed, int, 0, 2**32, high_open=True)
+        number("debug_nan_step", self.debug_nan_step, int, -1)
         for name in ("telemetry_interval", "ckpt_interval", "eval_interval"):
-            value = getattr(self, name)
-            if name == "ckpt_interval" and value == -1:
-                continue
-            if value < 0 or value % self.log_interval:
+            value = number(name, getattr(self, name), int, -1 if name == "ckpt_interval" else 0)
+            if value > 0 and value % self.log_interval:
                 raise ValueError(f"{name} must be 0 or a positive multiple of log_interval "
                                  f"({self.log_interval}), got {value}")
+        number("lr", self.lr, float, 0, low_open=True)
+        number("min_lr", self.min_lr, float, 0, self.lr)  # a learning rate that decays, never below 0
+        number("weight_decay", self.weight_decay, float, 0)
+        for name in ("beta1", "beta2"):
+            number(name, getattr(self, name), float, 0, 1, high_open=True)
+        number("eps", self.eps, float, 0, low_open=True)
+        number("grad_clip", self.grad_clip, float, 0)
+        if self.diverge_factor != 0:  # 0: NaN/Inf only; a factor <= 1 stops at any loss above its minimum
+            number("diverge_factor (0 = off)", self.diverge_factor, float, 1, low_open=True)
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
-        if self.warmup_iters < 0 or self.lr_decay_iters < 0:
-            raise ValueError("warmup_iters and lr_decay_iters must be >= 0")
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        for name in ("compile", "allow_tf32", "deterministic", "ckpt_keep", "progress"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (name == "compile" and value is None)):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
 
     @property
     def tokens_per_step(self) -> int:

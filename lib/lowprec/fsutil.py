@@ -1,15 +1,20 @@
 """Crash-safe file writes: `atomic_write` gives a file whose content is always either the old or the whole new
-one, whatever happens to the process (a temporary file beside it, fsynced and renamed into place).
+one, whatever happens to the process (a temporary file beside it, fsynced and renamed into place), and
+`remove_temporaries` clears those a killed process left. `lock_folder` holds an OS lock on a folder itself.
 `check_target` tells, before any work, whether a command can write where it was told to."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
+
+TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")  # atomic_write's (and mkstemp-named) temporary files
 
 
 def fsync_dir(path: str | Path) -> None:
@@ -44,6 +49,47 @@ def atomic_write(path: str | Path, mode: str = "w") -> Iterator[IO]:
         message = f"cannot write {path}: {exc.strerror or exc}"
         raise (OSError(exc.errno, message) if exc.errno else OSError(message)) from exc
     fsync_dir(path.parent)
+
+
+def remove_temporaries(folder: str | Path) -> list[Path]:
+    """Remove the temporary files (`TEMPORARY`) a killed writer left in `folder`; call it only while holding
+    the folder's lock (`lock_folder`), so that no live writer owns them. Returns what it removed."""
+    folder = Path(folder)
+    names = folder.iterdir() if folder.is_dir() else ()
+    found = [p for p in names if TEMPORARY.fullmatch(p.name) and p.is_file()]
+    for path in found:
+        path.unlink(missing_ok=True)
+    return found
+
+
+def lock_folder(folder: str | Path, wait: bool = False) -> int | None:
+    """An exclusive OS lock (flock) on `folder` itself (created if missing): the descriptor that holds it
+    (closing it releases the lock), or None when another descriptor holds one (with `wait`: once it lets
+    go). Deleting or replacing a file in the folder cannot defeat it, and the OS drops it when the process
+    ends, however it ends."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def folder_locked(folder: str | Path) -> bool:
+    """Whether a live process holds `lock_folder`'s lock on `folder`."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def check_target(path: str | Path, what: str, folder: bool = True) -> Path:

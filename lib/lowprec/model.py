@@ -20,6 +20,7 @@ from lowprec.attention import AttentionSpec, attention
 from lowprec.attention.fix import Fix
 from lowprec.attention.reference import causal_mask, scaled_scores
 from lowprec.attention.spec import backends_with
+from lowprec.checks import number
 
 
 @dataclass
@@ -40,8 +41,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+            number(f"GPTConfig.{name}", getattr(self, name), int, 1)
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         self.attention = AttentionSpec.parse(self.attention)
@@ -57,8 +57,10 @@ class GPTConfig:
             if bad:
                 raise ValueError(f"GPTConfig.hp_heads[{layer}] has heads {bad}; heads are 0-based in "
                                  f"[0, {self.n_head})")
-        if self.attn_softcap < 0:
-            raise ValueError(f"GPTConfig.attn_softcap must be >= 0 (0 = off), got {self.attn_softcap}")
+        number("GPTConfig.attn_softcap (0 = off)", self.attn_softcap, float, 0)
+        for name in ("bias", "qk_layernorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be true or false, got {getattr(self, name)!r}")
         for layer in range(self.n_layer):
             spec = self.layer_spec(layer)
             if self.attn_softcap and not spec.caps.softcap:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from lowprec.checks import option
 from lowprec.runs import SIGNIFICANT, Run, check_target, load_run, metrics_file, write_json
 
 # ---- comparing records (no torch) ----
@@ -173,14 +174,16 @@ def replay(run_dir: str | Path, from_step: int, fix: bool, beta: float = 2.0, en
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="folder of the recorded run (trained with ckpt_keep=true)")
-    parser.add_argument("--from", dest="from_step", type=int, required=True, metavar="STEP",
+    parser.add_argument("--from", dest="from_step", type=option(int, 0), required=True, metavar="STEP",
                         help="step to start from (a checkpoint of RUN at this step must exist)")
     parser.add_argument("--fix", choices=("on", "off"), required=True,
                         help="the Fix in every attention layer whose backend takes one (emulated, triton)")
-    parser.add_argument("--beta", type=float, default=2.0, help="the Fix's beta with --fix on (default 2)")
+    parser.add_argument("--beta", type=option(float, 1, low_open=True), default=2.0,
+                        help="the Fix's beta with --fix on (default 2)")
     until = parser.add_mutually_exclusive_group()
-    until.add_argument("--steps", type=int, metavar="N", help="replay N steps (default: to RUN's last step)")
-    until.add_argument("--to", type=int, metavar="STEP", help="replay up to and including STEP")
+    until.add_argument("--steps", type=option(int, 1), metavar="N",
+                       help="replay N steps (default: to RUN's last step)")
+    until.add_argument("--to", type=option(int, 0), metavar="STEP", help="replay up to and including STEP")
     parser.add_argument("--out", help="replay folder (default <RUN>/replay-from-<STEP>-fix-<on|off>)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override a field of the replay's config (repeatable), e.g. --set device=cpu")
@@ -190,8 +193,6 @@ def run(args: argparse.Namespace) -> int:
     end = (args.from_step + args.steps if args.steps is not None
            else args.to + 1 if args.to is not None else None)
     try:
-        if args.steps is not None and args.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {args.steps}")
         comparison = replay(args.run, args.from_step, args.fix == "on", args.beta, end, args.out,
                             args.overrides)
     finally:

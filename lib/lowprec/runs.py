@@ -1,17 +1,19 @@
-"""Run records: one folder per training run, written incrementally and read back without torch.
+"""Run records: one folder per training run, written incrementally, checking itself, read without torch.
 
-`RunWriter` writes config.json, metrics.jsonl, events.jsonl and summary.json under an OS lock (`RunLock`);
-`load_run` reads and checks a folder into a `Run` (metrics.jsonl may be gzip-compressed), `list_runs` finds
-them; `provenance` says where a result came from. This module must not import torch (the book loads records
-fast). The files and every key: the book's appendix "Methods and record formats".
+`RunWriter` writes config.json, metrics.jsonl, events.jsonl and summary.json under an OS lock on the folder
+(`RunLock`), with the sha256 values that let a resume (`record_matches`) and a reader find lost, repeated or
+changed rows; `load_run` reads and checks a folder into a `Run` (metrics.jsonl may be gzip-compressed),
+`list_runs` finds them; `provenance` says where a result came from. This module must not import torch (the
+book loads records fast). The files and every key: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import fcntl
 import functools
 import gzip
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -19,11 +21,14 @@ import os
 import platform
 import subprocess
 import sys
+import uuid
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowprec.fsutil import atomic_write, check_target
+from lowprec.fsutil import atomic_write, check_target, folder_locked, lock_folder
 
 SIGNIFICANT = 5
 STATUSES = ("running", "finished", "diverged", "interrupted", "failed")
@@ -108,50 +113,46 @@ def round_floats(obj: Any, digits: int = SIGNIFICANT) -> Any:
     return obj
 
 
-def write_json(path: str | Path, obj: Any) -> None:
-    """Write `obj` as indented JSON atomically (`atomic_write`), floats rounded."""
+def write_json(path: str | Path, obj: Any, digits: int | None = SIGNIFICANT) -> None:
+    """Write `obj` as indented JSON atomically (`atomic_write`), floats rounded to `digits` (None: exact)."""
     with atomic_write(path) as handle:
-        handle.write(json.dumps(round_floats(obj), indent=1) + "\n")
+        handle.write(json.dumps(obj if digits is None else round_floats(obj, digits), indent=1) + "\n")
+
+
+def digest(obj: Any) -> str:
+    """sha256 of `obj` as canonical JSON (keys sorted, no spaces): equal for equal JSON values."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class RunLock:
-    """An exclusive OS lock (fcntl.flock) on <run_dir>/writer.lock, which holds the owner's PID. The OS drops
-    it when the process ends, however it ends, so a killed writer never blocks its folder. Creates the folder;
+    """An exclusive OS lock on the run folder itself (`fsutil.lock_folder`): deleting or replacing a file in
+    it cannot defeat the lock, and the OS drops it when the process ends, however it ends, so a killed writer
+    never blocks its folder. <run_dir>/writer.lock names the owner's PID. Creates the folder;
     RunLockedError naming the owner if another process holds the lock."""
 
     def __init__(self, run_dir: str | Path):
-        self.path = check_target(run_dir, "--out") / LOCK
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+")  # noqa: SIM115 (closed in release(), or with the process)
+        self.dir = check_target(run_dir, "--out")
+        self.path = self.dir / LOCK
+        self._fd = lock_folder(self.dir)
+        if self._fd is None:
+            try:
+                owner = f"process {self.path.read_text().strip()}"
+            except (OSError, UnicodeDecodeError):
+                owner = "another process"
+            raise RunLockedError(f"{self.dir} is being written by {owner} (it holds an OS lock on the "
+                                 "folder): wait for it to end, or stop it, first")
         try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            owner = self._file.read().strip() or "?"
-            self._file.close()
-            raise RunLockedError(f"{self.path.parent} is being written by process {owner} (it holds "
-                                 f"{self.path}): wait for it to end, or stop it, first") from None
-        self._file.truncate(0)
-        self._file.write(f"{os.getpid()}\n")
-        self._file.flush()
+            with atomic_write(self.path) as handle:
+                handle.write(f"{os.getpid()}\n")
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
-        """Drop the lock (closing the file does); a second call does nothing."""
-        self._file.close()
-
-
-def _locked(run_dir: Path) -> bool:
-    """Whether a live process holds <run_dir>/writer.lock."""
-    try:
-        handle = open(run_dir / LOCK)  # noqa: SIM115
-    except FileNotFoundError:
-        return False
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        return False
+        """Drop the lock; a second call does nothing."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def run_state(run_dir: str | Path) -> str:
@@ -159,14 +160,48 @@ def run_state(run_dir: str | Path) -> str:
     the folder's lock and becomes "killed" otherwise (its writer died without closing the record)."""
     path = Path(run_dir)
     status = _read_json(path / "summary.json").get("status")
-    return "killed" if status == "running" and not _locked(path) else status
+    return "killed" if status == "running" and not folder_locked(path) else status
+
+
+def check_free(run_dir: str | Path) -> None:
+    """ValueError unless a fresh run may start in `run_dir`: it holds no run, or one that failed or was killed
+    before it logged any metrics. Call it holding the folder's lock (a "running" record is a dead one)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl.gz").exists():
+        check_resumable(run_dir)  # the refusal of a compressed record
+    if not (run_dir / "metrics.jsonl").exists():
+        return
+    summary = run_dir / "summary.json"
+    status = _read_json(summary).get("status") if summary.exists() else None
+    status = "killed" if status == "running" else status
+    empty = not (run_dir / "metrics.jsonl").read_bytes().strip()
+    if not (empty and status in ("failed", "killed")):
+        raise ValueError(f"run_dir {run_dir} already holds a run (status {status}): resume it (--resume), or "
+                         "pass a new --out; a run killed before its first checkpoint cannot resume: remove "
+                         "its folder to start it over")
+
+
+def check_resumable(run_dir: str | Path) -> None:
+    """RunRecordError unless `run_dir` holds every file of a record a resume can continue (not compressed)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl.gz").exists():
+        raise RunRecordError(f"{run_dir} holds a finished, compressed record (metrics.jsonl.gz): write to a "
+                             "new --out folder")
+    for name in FILES:
+        if not (run_dir / name).exists():
+            raise RunRecordError(f"cannot resume: {run_dir / name} is missing (resuming would lose the run's "
+                                 "history); restore it, or start afresh in a new --out")
 
 
 class RunWriter:
     """Writes one run folder, holding its `RunLock` until `close()` (a lock the caller took, or a new one).
-    `resume=True` continues an existing record (see `truncate_after`), dropping a last line of metrics.jsonl
-    or events.jsonl that a kill cut off. A fresh start refuses a folder that holds a run, unless that run
-    failed or was killed before it logged any metrics."""
+
+    config.json holds the config, the run's `run_id` and its own sha256; each file's lines are hashed as they
+    are appended, so that `mark()` gives what a checkpoint must find again on resume (`record_matches`), and
+    the summary of a closed run seals the whole record (record_sha256, checked by `load_run`). A writer stops
+    (RunRecordError) rather than write to a file another process replaced. `resume=True` continues an
+    existing record (see `truncate_after`), dropping a last line of metrics.jsonl or events.jsonl that a kill
+    cut off. A fresh start refuses a folder that holds a run (`check_free`)."""
 
     def __init__(self, run_dir: str | Path, config: dict, command: list[str] | None = None,
                  resume: bool = False, lock: RunLock | None = None):
@@ -179,64 +214,83 @@ class RunWriter:
             raise
 
     def _open(self, config: dict, command: list[str] | None, resume: bool) -> None:
-        if (self.dir / "metrics.jsonl.gz").exists():
-            raise RunRecordError(f"{self.dir} holds a finished, compressed record (metrics.jsonl.gz): "
-                                 "write to a new --out folder")
+        self._hashes = {name: hashlib.sha256() for name in ("metrics", "events")}
+        self._rows = {"metrics": 0, "events": 0}
         if resume:
-            for name in FILES:
-                if not (self.dir / name).exists():
-                    raise RunRecordError(f"cannot resume: {self.dir / name} is missing (resuming would lose "
-                                         "the run's history); restore it, or start afresh in a new --out")
-            record = _read_json(self.dir / "config.json")  # everything is read and checked before any write
+            check_resumable(self.dir)
+            record = load_record(self.dir)  # everything is read and checked before any write
             self.summary: dict = _read_json(self.dir / "summary.json")
-            _complete_rows(self.dir / "metrics.jsonl", METRIC_KEYS)
+            metrics = _complete_rows(self.dir / "metrics.jsonl", METRIC_KEYS)
             events = _complete_rows(self.dir / "events.jsonl", EVENT_KEYS)
             _keep_lines(self.dir / "events.jsonl", events)  # without a last line a kill cut off
+            self._count("metrics", metrics)
+            self._count("events", events)
+            self.run_id = record.get("run_id")
             record["config"] = config
-            write_json(self.dir / "config.json", record)
         else:
-            if (self.dir / "metrics.jsonl").exists():
-                summary = self.dir / "summary.json"
-                status = _read_json(summary).get("status") if summary.exists() else None
-                status = "killed" if status == "running" else status  # the lock is ours: that writer died
-                empty = not (self.dir / "metrics.jsonl").read_text().strip()
-                if not (empty and status in ("failed", "killed")):
-                    raise ValueError(f"run_dir {self.dir} already holds a run (status {status}): pass "
-                                     "resume=True (--resume) or a new --out folder")
-            write_json(self.dir / "config.json", {"config": config, "provenance": provenance(command)})
+            check_free(self.dir)
+            self.run_id = uuid.uuid4().hex
+            record = {"config": config, "run_id": self.run_id, "provenance": provenance(command)}
             for name in ("metrics.jsonl", "events.jsonl"):
                 (self.dir / name).write_text("")
             self.summary = {}
+        record["sha256"] = _own_digest(record)
+        write_json(self.dir / "config.json", record, digits=None)
+        self.record = record
         self.update_summary(status="running")
         self._metrics = open(self.dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
         self._events = open(self.dir / "events.jsonl", "a")  # noqa: SIM115
+
+    def _count(self, name: str, rows: list[tuple[str, dict]]) -> None:
+        self._hashes[name] = hashlib.sha256("".join(line for line, _ in rows).encode())
+        self._rows[name] = len(rows)
 
     def log(self, record: dict) -> None:
         """Append one metrics object (must hold METRIC_KEYS)."""
         missing = [k for k in METRIC_KEYS if k not in record]
         if missing:
             raise ValueError(f"metrics record lacks {missing}; every record needs {list(METRIC_KEYS)}")
-        self._append(self._metrics, record)
+        self._append("metrics", self._metrics, record)
 
     def event(self, event: str, step: int | None, **fields: Any) -> None:
         """Append one event object {"event", "step", "time", **fields}."""
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self._append(self._events, {"event": event, "step": step, "time": now, **fields})
+        self._append("events", self._events, {"event": event, "step": step, "time": now, **fields})
+
+    def mark(self) -> dict:
+        """{"metrics" | "events": [rows written, sha256 of their lines]}: what `record_matches` checks."""
+        return {name: [self._rows[name], hasher.hexdigest()] for name, hasher in self._hashes.items()}
 
     def update_summary(self, **fields: Any) -> None:
-        """Merge `fields` into summary.json (rewritten atomically)."""
+        """Merge `fields` into summary.json (rewritten atomically); a status other than "running" closes the
+        record: it is sealed (record_sha256) after its metrics and events are made durable."""
         self.summary.update(fields)
+        self.summary.pop("record_sha256", None)
         if self.summary.get("status") not in STATUSES:
             raise ValueError(f"summary status must be one of {STATUSES}, got {self.summary.get('status')!r}")
+        if self.summary["status"] != "running" and hasattr(self, "_metrics"):
+            self.sync()
+            self.summary["record_sha256"] = _seal(self.mark()["metrics"][1], self.mark()["events"][1],
+                                                  self.record, round_floats(self.summary))
         write_json(self.dir / "summary.json", self.summary)
+
+    def sync(self) -> None:
+        """Make the appended lines durable (fsync), e.g. before a checkpoint that counts them; a file another
+        process replaced stops the writer (RunRecordError)."""
+        for handle in (self._metrics, self._events):
+            if not handle.closed:
+                self._check_own(handle)
+                with _naming(handle.name):
+                    os.fsync(handle.fileno())
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics with step > `step` (a resumed run recomputes them), and a last line cut off by a
         crash; events are kept."""
         self._metrics.close()
         path = self.dir / "metrics.jsonl"
-        _keep_lines(path, [(line, row) for line, row in _complete_rows(path, METRIC_KEYS)
-                           if row["step"] <= step])
+        kept = [(line, row) for line, row in _complete_rows(path, METRIC_KEYS) if row["step"] <= step]
+        _keep_lines(path, kept)
+        self._count("metrics", kept)
         self._metrics = open(path, "a")  # noqa: SIM115
 
     def close(self) -> None:
@@ -248,12 +302,65 @@ class RunWriter:
             self.lock.release()
 
     @staticmethod
-    def _append(handle, obj: dict) -> None:
+    def _check_own(handle) -> None:
+        """RunRecordError if the file `handle` writes is no longer the one at its path (another process
+        rewrote or removed it: this writer must not go on)."""
         try:
-            handle.write(json.dumps(round_floats(obj), separators=(",", ":")) + "\n")
+            ours, there = os.fstat(handle.fileno()), os.stat(handle.name)
+        except FileNotFoundError:
+            there = None
+        if there is None or (ours.st_dev, ours.st_ino) != (there.st_dev, there.st_ino):
+            raise RunRecordError(f"{handle.name} was replaced or removed while this process wrote it "
+                                 "(another writer?): stopping without writing more")
+
+    def _append(self, name: str, handle, obj: dict) -> None:
+        self._check_own(handle)
+        line = json.dumps(round_floats(obj), separators=(",", ":")) + "\n"
+        with _naming(handle.name):
+            handle.write(line)
             handle.flush()
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot append to {handle.name}: {exc.strerror or exc}") from exc
+        self._hashes[name].update(line.encode())
+        self._rows[name] += 1
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """An OSError in the block (a full disk) names the file it was writing."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _own_digest(obj: dict) -> str:
+    """The sha256 a JSON object holds of itself: `digest` of it without its "sha256" key."""
+    return digest({k: v for k, v in obj.items() if k != "sha256"})
+
+
+def _seal(metrics_sha256: str, events_sha256: str, record: dict, summary: dict) -> str:
+    """record_sha256: one sha256 over the metrics' and events' bytes, config.json and the summary (without
+    this key), for a closed record."""
+    summary = {k: v for k, v in summary.items() if k != "record_sha256"}
+    return digest([metrics_sha256, events_sha256, digest(record), digest(summary)])
+
+
+def record_matches(run_dir: str | Path, step: int, mark: dict) -> str | None:
+    """None if the record in `run_dir` still holds the rows a checkpoint of `step` counted (`RunWriter.mark`:
+    the metrics of steps < `step` and the first events, by number and sha256; a last line cut off mid-line
+    is no row), else what differs, in a few words."""
+    run_dir = Path(run_dir)
+    metrics = [line for line, row in _complete_rows(run_dir / "metrics.jsonl", METRIC_KEYS)
+               if row["step"] < step]
+    events = [line for line, _ in _complete_rows(run_dir / "events.jsonl", EVENT_KEYS)]
+    for name, lines in (("metrics", metrics), ("events", events)):
+        rows, sha256 = mark[name]
+        if len(lines) < rows or hashlib.sha256("".join(lines[:rows]).encode()).hexdigest() != sha256:
+            what = "steps before" if name == "metrics" else "events up to"
+            return (f"{name}.jsonl no longer holds the {rows} rows of {what} step {step} it held then "
+                    f"(it has {len(lines)}: rows lost, repeated or changed)")
+        if name == "metrics" and len(lines) > rows:
+            return f"metrics.jsonl holds {len(lines) - rows} more rows before step {step} than it held then"
+    return None
 
 
 # ---- reading ----
@@ -287,7 +394,7 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         raise RunRecordError(f"{path} is missing")
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(_read_text(path)[0])
     except json.JSONDecodeError as exc:
         raise RunRecordError(f"{path}: corrupt JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(obj, dict):
@@ -295,9 +402,46 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
+def _read_text(path: Path) -> tuple[str, str]:
+    """(text, sha256 of its bytes) of a record file, gunzipped if it ends in .gz; RunRecordError naming the
+    file (and the line of a byte that is not UTF-8) if it cannot be read as text."""
+    try:
+        data = path.read_bytes()
+        if path.suffix == ".gz":
+            data = gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "truncated"
+        raise RunRecordError(f"{path}: cannot be read ({reason})") from None
+    try:
+        return data.decode(), hashlib.sha256(data).hexdigest()
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise RunRecordError(f"{path}:{line}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# key -> (what it must be, check) of the rows of metrics.jsonl and events.jsonl, where present
+ROW_TYPES: dict[str, tuple[str, Any]] = {
+    "step": ("an int >= 0", _is_count), "tokens": ("an int >= 0", _is_count),
+    "loss": ("a number", _is_number), "lr": ("a number", _is_number), "grad_norm": ("a number", _is_number),
+    "time_s": ("a number", _is_number), "tokens_per_s": ("a number", _is_number),
+    "val_loss": ("a number", _is_number), "telemetry_s": ("a number", _is_number),
+    "telemetry": ("an object", lambda v: isinstance(v, dict)),
+    "event": ("a string", lambda v: isinstance(v, str)),
+}
+
+
 def _parse_line(path: Path, number: int, line: str, required: tuple[str, ...], torn: bool = False) -> dict:
-    """Line `number` of a .jsonl file as an object holding `required` keys; RunRecordError naming file and
-    line (`torn`: the line is the last one and has no newline)."""
+    """Line `number` of a .jsonl file as an object holding `required` keys, each of its type (`ROW_TYPES`;
+    an event's step may be null); RunRecordError naming file and line (`torn`: the line is the last one and
+    has no newline)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -308,21 +452,26 @@ def _parse_line(path: Path, number: int, line: str, required: tuple[str, ...], t
     missing = [k for k in required if k not in obj]
     if missing:
         raise RunRecordError(f"{path}:{number}: missing keys {missing}")
+    for key, (what, ok) in ROW_TYPES.items():
+        if key in obj and not ok(obj[key]) and not (key == "step" and "event" in obj and obj[key] is None):
+            raise RunRecordError(f"{path}:{number}: {key} must be {what}, got {obj[key]!r}")
     return obj
 
 
-def _read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
+def _read_jsonl(path: Path, required: tuple[str, ...]) -> tuple[list[dict], str]:
+    """(objects, sha256 of the file's bytes) of a .jsonl record file, each line checked (`_parse_line`)."""
     if not path.exists():
         raise RunRecordError(f"{path} is missing")
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    text, sha256 = _read_text(path)
     lines = text.splitlines()
-    return [_parse_line(path, number, line, required, torn=number == len(lines) and not text.endswith("\n"))
+    rows = [_parse_line(path, number, line, required, torn=number == len(lines) and not text.endswith("\n"))
             for number, line in enumerate(lines, start=1) if line.strip()]
+    return rows, sha256
 
 
 def _complete_rows(path: Path, required: tuple[str, ...]) -> list[tuple[str, dict]]:
     """(line, object) of each line of a .jsonl file but a last one cut off mid-line (dropped)."""
-    lines = path.read_text().splitlines(keepends=True)
+    lines = _read_text(path)[0].splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines.pop()
     return [(line, _parse_line(path, number, line, required)) for number, line in enumerate(lines, start=1)
@@ -335,16 +484,27 @@ def _keep_lines(path: Path, rows: list[tuple[str, dict]]) -> None:
         handle.write("".join(line for line, _ in rows))
 
 
-def load_config(run_dir: str | Path) -> dict:
-    """The config recorded in <run_dir>/config.json; RunRecordError naming the file if it is missing or
-    corrupt."""
+def load_record(run_dir: str | Path, keys: tuple[str, ...] = ("config",)) -> dict:
+    """<run_dir>/config.json, checked: {"config": the run's config, "provenance", and in records that have
+    them "run_id" and "sha256" (of the rest: a file edited by hand is refused)}; RunRecordError naming the
+    file if it is missing, corrupt or edited (`keys`: the objects it must hold)."""
     path = Path(run_dir) / "config.json"
     if not path.exists():
         raise RunRecordError(f"{path} does not exist (is {run_dir} the folder of a run?)")
     record = _read_json(path)
-    if not isinstance(record.get("config"), dict):
-        raise RunRecordError(f"{path}: missing key 'config' (the run's config)")
-    return record["config"]
+    for key in keys:
+        if not isinstance(record.get(key), dict):
+            raise RunRecordError(f"{path}: missing key {key!r} (the run's {key}), or not an object")
+    if "sha256" in record and record["sha256"] != _own_digest(record):
+        raise RunRecordError(f"{path}: the file does not match its sha256 (changed since the run "
+                             "wrote it); restore it: `lowprec train --resume --set KEY=VALUE` makes the "
+                             "changes a resume may make, and records them")
+    return record
+
+
+def load_config(run_dir: str | Path) -> dict:
+    """The config recorded in <run_dir>/config.json (`load_record`)."""
+    return load_record(run_dir)["config"]
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.jsonl.gz", "events.jsonl", "summary.json")
@@ -379,25 +539,48 @@ def load_run(run_dir: str | Path) -> Run:
     return _read_run(path, _stamp(path))
 
 
+def _check_summary(path: Path, summary: dict, metrics: list[dict]) -> None:
+    """RunRecordError unless summary.json's status, steps and diverged_step fit each other and the metrics
+    (a finished run logged its last step, a diverged one the step the stop rule fired at)."""
+    name = path / "summary.json"
+    status = summary.get("status")
+    if status not in STATUSES:
+        raise RunRecordError(f"{name}: status must be one of {STATUSES}, got {status!r}")
+    for key in ("steps", "diverged_step"):
+        if summary.get(key) is not None and not _is_count(summary[key]):
+            raise RunRecordError(f"{name}: {key} must be an int >= 0, got {summary[key]!r}")
+    last = metrics[-1]["step"] if metrics else None
+    steps = summary.get("steps")
+    expected = {"finished": None if not steps else steps - 1,
+                "diverged": summary.get("diverged_step")}.get(status)
+    if expected is not None and last != expected:
+        raise RunRecordError(f"{name} says the run {status} at step {expected}, but the last step its "
+                             f"metrics hold is {last} (metrics lost or out of place)")
+    if status in ("interrupted", "failed") and steps is not None and last is not None and last >= steps:
+        raise RunRecordError(f"{name} says the run {status} after {steps} steps, but its metrics hold step "
+                             f"{last}")
+
+
 @functools.lru_cache(maxsize=128)  # a chapter reads each of the ~70 records several times
 def _read_run(path: Path, stamp: tuple) -> Run:
     """The Run in `path` (read afresh for each new `stamp` of its files)."""
-    record = _read_json(path / "config.json")
-    for key in ("config", "provenance"):
-        if key not in record:
-            raise RunRecordError(f"{path / 'config.json'}: missing key {key!r}")
-    metrics = _read_jsonl(metrics_file(path), METRIC_KEYS)
+    record = load_record(path, ("config", "provenance"))
+    metrics, metrics_sha256 = _read_jsonl(metrics_file(path), METRIC_KEYS)
     for number, (prev, cur) in enumerate(zip(metrics, metrics[1:], strict=False), start=2):
         if cur["step"] <= prev["step"]:
             raise RunRecordError(f"{metrics_file(path)}: record {number} has step {cur['step']} after "
                                  f"step {prev['step']} (steps must increase)")
-    events = _read_jsonl(path / "events.jsonl", EVENT_KEYS)
+    events, events_sha256 = _read_jsonl(path / "events.jsonl", EVENT_KEYS)
     summary = _read_json(path / "summary.json")
+    sealed = summary.get("record_sha256")
+    intact = sealed is None or sealed == _seal(metrics_sha256, events_sha256, record, round_floats(summary))
     if "explosion_step" in summary:  # the old name of diverged_step
         summary["diverged_step"] = summary.pop("explosion_step")
-    if summary.get("status") not in STATUSES:
-        raise RunRecordError(f"{path / 'summary.json'}: status must be one of {STATUSES}, "
-                             f"got {summary.get('status')!r}")
+    _check_summary(path, summary, metrics)  # first: its message says what is wrong
+    if not intact:
+        raise RunRecordError(f"{path}: the record does not match the record_sha256 in summary.json (a file "
+                             "changed since the run ended: metrics.jsonl, events.jsonl, config.json or "
+                             "summary.json)")
     return Run(path, record["config"], record["provenance"], metrics, events, summary)
 
 

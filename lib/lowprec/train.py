@@ -3,8 +3,10 @@
 nanoGPT's loop with the paper's recipe (AdamW, warmup then cosine, clipping, bf16 autocast on CUDA, optional
 torch.compile, DDP under torchrun). The batch of a step is a pure function of (seed, step), so a run killed
 and resumed reproduces its loss curve bit for bit on CPU; a divergence (NaN, or a loss above diverge_factor x
-its minimum since warmup) stops the run and records its batch; Ctrl-C / SIGTERM checkpoint and stop. Methods
-in detail: the book's appendix "Methods and record formats".
+its minimum since warmup) stops the run and records its batch; Ctrl-C / SIGTERM checkpoint and stop. A
+checkpoint names its run and the record rows it follows: a resume takes only one that fits
+(`Trainer._resume_checkpoint`) and changes only RESUMABLE settings, recording each change. Methods in
+detail: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -41,13 +43,29 @@ from lowprec.checkpoint import (
 )
 from lowprec.configs import CONFIGS, TrainConfig, apply_overrides, get_config
 from lowprec.dist import leave_process_group, setup_distributed
-from lowprec.fsutil import check_target
+from lowprec.fsutil import atomic_write, check_target, remove_temporaries
 from lowprec.model import GPT
-from lowprec.runs import RunLock, RunRecordError, RunWriter, load_config, load_run, provenance
+from lowprec.runs import (
+    RunLock,
+    RunRecordError,
+    RunWriter,
+    check_free,
+    check_resumable,
+    load_record,
+    load_run,
+    provenance,
+    record_matches,
+)
 from lowprec.telemetry import Telemetry
 
 CHECKPOINT = "ckpt.pt"
 EXIT_CODES = {"finished": 0, "diverged": 1, "interrupted": 130}
+STATE_KEYS = ("model", "optimizer", "rng", "step", "running_min", "elapsed", "telemetry", "config")
+RESUME_KEYS = (*STATE_KEYS, "run_id", "record")  # a resume also needs to know whose state it is
+# what a resume may change (`--set`): how often the run logs, measures, evaluates and saves, and how far it
+# goes; everything else would make the record describe another run than the one its steps came from
+RESUMABLE = ("max_iters", "log_interval", "eval_interval", "telemetry_interval", "ckpt_interval", "ckpt_keep",
+             "progress")
 
 
 # ---- pieces ----
@@ -91,6 +109,21 @@ def weights_digest(model: torch.nn.Module) -> str:
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def config_changes(before: dict, after: dict) -> dict[str, list]:
+    """{key: [before, after]} of every setting two configs (`TrainConfig.to_dict()`) differ in; model settings
+    as "model.<key>"."""
+    flat = [{**{k: v for k, v in c.items() if k != "model"},
+             **{f"model.{k}": v for k, v in c["model"].items()}} for c in (before, after)]
+    return {k: [flat[0].get(k), flat[1].get(k)] for k in sorted(flat[0].keys() | flat[1].keys())
+            if flat[0].get(k) != flat[1].get(k)}
+
+
+def unresumable(changes: dict[str, list]) -> str | None:
+    """The changes a resume may not make (not RESUMABLE), in words, or None."""
+    bad = [f"{k} ({old!r} -> {new!r})" for k, (old, new) in changes.items() if k not in RESUMABLE]
+    return ", ".join(bad) or None
 
 
 def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -144,6 +177,15 @@ class Trainer:
         self.cfg, self.out, self.callback = cfg, check_target(out, "--out"), callback
         set_determinism(cfg.deterministic)
         self.ckpt_dir = check_target(cfg.ckpt_dir, "ckpt_dir") if cfg.ckpt_dir else self.out / "checkpoint"
+        if cfg.ckpt_interval != -1:
+            check_target(self.ckpt_path, "checkpoint", folder=False)
+        self.changes: dict[str, list] = {}  # a resume's changes of the recorded config
+        if resume:
+            self.changes = config_changes(read_config(self.out).to_dict(), cfg.to_dict())
+            if unresumable(self.changes):
+                raise ValueError(f"a resume may change only {', '.join(RESUMABLE)} (each change is "
+                                 f"recorded), not {unresumable(self.changes)}: start a new run in a new "
+                                 "--out instead")
         self.dist, self.device = setup_distributed(cfg)
         if cfg.grad_accum % self.dist.world_size:
             raise ValueError(f"grad_accum ({cfg.grad_accum}) must be divisible by the number of processes "
@@ -173,9 +215,9 @@ class Trainer:
                          else contextlib.nullcontext())
         self.telemetry = (Telemetry(self.model, cfg.telemetry_power_iters)
                           if cfg.telemetry_interval and self.dist.main else None)
-        self.start_step, self.running_min, self.elapsed = 0, math.inf, 0.0
+        self.start_step, self.running_min, self.elapsed, self.last_loss = 0, math.inf, 0.0, None
         if init_from is not None:
-            self._restore(Path(init_from), load_checkpoint(Path(init_from)))
+            self._restore(Path(init_from), load_checkpoint(Path(init_from), STATE_KEYS))
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.forward: torch.nn.Module = torch.compile(self.model) if use_compile else self.model
         self.ddp = None
@@ -188,8 +230,16 @@ class Trainer:
         self.done: dict | None = None  # the summary of a finished run that a resume leaves as it is
         lock = RunLock(self.out) if self.dist.main else None  # the record is this process's from here on
         try:
+            if lock is not None:
+                for folder in (self.out, self.ckpt_dir):  # what a killed writer left half-written
+                    remove_temporaries(folder)
             if resume:
-                self._restore(*self._resume_checkpoint())
+                resumed_from = self._resume_checkpoint()
+                self._restore(*resumed_from)
+                if self.dist.enabled:
+                    dist.barrier()  # every rank chose its checkpoint before rank 0 rewrites the record
+            elif lock is not None:
+                self._check_fresh()
             if lock is not None and resume and self.start_step >= cfg.max_iters:
                 summary = load_run(self.out).summary
                 self.done = summary if summary["status"] == "finished" else None
@@ -203,7 +253,9 @@ class Trainer:
             try:
                 if resume:
                     self.writer.truncate_after(self.start_step - 1)
-                    self.writer.event("resumed", self.start_step, provenance=provenance(command))
+                    changed = {"changed": self.changes} if self.changes else {}
+                    self.writer.event("resumed", self.start_step, provenance=provenance(command),
+                                      checkpoint=str(resumed_from[0]), **changed)
                 else:
                     self.writer.event("start", self.start_step, data=str(self.data.path),
                                       corpus=self.data.describe(), world_size=self.dist.world_size,
@@ -220,20 +272,59 @@ class Trainer:
     def ckpt_path(self) -> Path:
         return self.ckpt_dir / CHECKPOINT
 
+    def _check_fresh(self) -> None:
+        """ValueError unless a fresh record may start: `out` holds no run (`runs.check_free`) and ckpt_dir
+        no checkpoint (another run's, whose ckpt.pt this one would overwrite)."""
+        check_free(self.out)
+        taken = [p.name for p in (self.ckpt_path, *kept_checkpoints(self.ckpt_dir).values()) if p.exists()]
+        if taken:
+            raise ValueError(f"ckpt_dir {self.ckpt_dir} already holds checkpoints ({', '.join(taken[:3])}"
+                             f"{', ...' if len(taken) > 3 else ''}) of another run: runs must not share a "
+                             "ckpt_dir; pass a new --out or ckpt_dir, or resume that run (--resume)")
+
     def _resume_checkpoint(self) -> tuple[Path, dict]:
-        """The checkpoint a resume continues from: ckpt.pt, or when it is missing, corrupt or has no checksum,
-        the newest intact kept copy ckpt-<step>.pt (said on stderr); CheckpointError if there is none."""
+        """The checkpoint a resume continues from: ckpt.pt, or when it cannot be used, the newest kept copy
+        ckpt-<step>.pt that can (said on stderr). One can be used if it loads (it exists, is readable, matches
+        its sha256 and holds RESUME_KEYS), belongs to this run (its run_id, and its config but for
+        RESUMABLE settings) and fits the record (`runs.record_matches`: metrics rows lost, repeated or
+        changed since it was saved rule it out). CheckpointError naming the first problem if none can."""
+        check_resumable(self.out)
+        record = load_record(self.out)
+        problems = []
+        for path in (self.ckpt_path, *reversed(kept_checkpoints(self.ckpt_dir).values())):
+            try:
+                ckpt = load_checkpoint(path, RESUME_KEYS)
+                self._check_belongs(path, ckpt, record)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                continue
+            if problems and self.dist.main:
+                print(f"{problems[0]}; resuming from the kept copy {path} (step {ckpt['step']})",
+                      file=sys.stderr)
+            return path, ckpt
+        if len(problems) == 1 and not self.ckpt_path.exists():
+            raise CheckpointError(f"{problems[0]}: the run kept no checkpoint (killed before its first?); "
+                                  f"remove {self.out} to start it over, or pass a new --out")
+        raise CheckpointError(f"{problems[0]}, and no kept copy (ckpt-<step>.pt) to resume from instead")
+
+    def _check_belongs(self, path: Path, ckpt: dict, record: dict) -> None:
+        """CheckpointError unless checkpoint `ckpt` (in `path`) is one of this run's and fits its record."""
+        if ckpt["run_id"] != record.get("run_id"):
+            raise CheckpointError(f"checkpoint {path} belongs to another run (run_id {ckpt['run_id']}; "
+                                  f"{self.out} records run_id {record.get('run_id')}): runs must not share a "
+                                  "ckpt_dir")
         try:
-            return self.ckpt_path, load_checkpoint(self.ckpt_path)
-        except CheckpointError as exc:
-            problem = exc
-        for step, path in reversed(kept_checkpoints(self.ckpt_dir).items()):
-            with contextlib.suppress(CheckpointError):
-                ckpt = load_checkpoint(path)
-                if self.dist.main:
-                    print(f"{problem}; resuming from the kept copy {path} (step {step})", file=sys.stderr)
-                return path, ckpt
-        raise CheckpointError(f"{problem}, and no intact kept copy (ckpt-<step>.pt) to resume from instead")
+            saved = TrainConfig.from_dict(ckpt["config"]).to_dict()
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: its config is not one of this version ({exc})") \
+                from None
+        changed = unresumable(config_changes(saved, self.cfg.to_dict()))
+        if changed:
+            raise CheckpointError(f"checkpoint {path} was saved under another config: {changed}")
+        problem = record_matches(self.out, ckpt["step"], ckpt["record"])
+        if problem:
+            raise CheckpointError(f"checkpoint {path} (step {ckpt['step']}) does not fit the record: "
+                                  f"{problem}")
 
     def _restore(self, path: Path, ckpt: dict) -> None:
         """Load the state that `_checkpoint` saved in `path` (RNG states stay on the CPU)."""
@@ -250,6 +341,7 @@ class Trainer:
         if self.telemetry is not None and ckpt["telemetry"] is not None:
             self.telemetry.load_state_dict(ckpt["telemetry"])
         self.start_step, self.running_min, self.elapsed = ckpt["step"], ckpt["running_min"], ckpt["elapsed"]
+        self.last_loss = ckpt.get("last_loss")  # the loss of the step before (checkpoints since it was kept)
 
     def _checkpoint(self, next_step: int) -> None:
         """Save everything needed to continue at `next_step` (rank 0 writes; the file is shared)."""
@@ -257,13 +349,18 @@ class Trainer:
             return
         if self.dist.main:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            (self.ckpt_dir / ".gitignore").write_text("*\n")
+            if not (self.ckpt_dir / ".gitignore").exists():
+                with atomic_write(self.ckpt_dir / ".gitignore") as handle:
+                    handle.write("*\n")
+            self.writer.sync()  # the rows the checkpoint counts are on the disk before it is
             digest = save_atomic({
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "rng": rng_state(), "step": next_step, "running_min": self.running_min,
+                "last_loss": self.last_loss,
                 "elapsed": self.elapsed + time.perf_counter() - self.t_start,
                 "telemetry": None if self.telemetry is None else self.telemetry.state_dict(),
-                "config": self.cfg.to_dict()}, self.ckpt_path)
+                "config": self.cfg.to_dict(), "run_id": self.writer.run_id, "record": self.writer.mark()},
+                self.ckpt_path)
             kept = {}
             if self.cfg.ckpt_keep:
                 kept_copy = kept_path(self.ckpt_dir, next_step)
@@ -411,7 +508,7 @@ class Trainer:
                 dist.barrier()  # the other ranks' (empty) run
             return self.done
         self.t_start = self.t_flush = time.perf_counter()
-        self.diverged_step, self.last_loss = None, None
+        self.diverged_step = None
         try:
             return self._finish(self._loop())
         except Exception as exc:
@@ -513,7 +610,7 @@ def train(cfg: TrainConfig, out: str | Path, resume: bool = False, command: list
 def read_config(out: str | Path) -> TrainConfig:
     """The TrainConfig recorded in a run folder's config.json (RunRecordError naming the file if it is not
     one)."""
-    config = load_config(out)
+    config = load_record(out)["config"]
     try:
         return TrainConfig.from_dict(config)
     except (TypeError, ValueError) as exc:

@@ -16,13 +16,15 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from lowprec.attention.reference import causal_mask, check_qkv, expand_kv, reference_attention, scaled_scores
-from lowprec.attention.spec import AttentionSpec
-
-SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-
-
-MATH_DTYPES = ("float32", "float64")
+from lowprec.attention.reference import (
+    causal_mask,
+    check_qkv,
+    check_scale,
+    expand_kv,
+    reference_attention,
+    scaled_scores,
+)
+from lowprec.attention.spec import MATH_DTYPES, SDPA_BACKENDS, AttentionSpec
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -62,6 +64,7 @@ def sdpa_attention(
     bottom-right causal bias; grouped-query k, v: enable_gqa, or expanded to q's heads for the kernels that
     lack it)."""
     check_qkv(q, k, v)
+    check_scale(scale)
     if sdpa_backend is None:
         ctx = contextlib.nullcontext()
     elif sdpa_backend in SDPA_BACKENDS:

@@ -24,10 +24,9 @@ from lowprec.attention.precision import (
     round_weights,
 )
 from lowprec.attention.reference import check_qkv, expand_kv
+from lowprec.attention.spec import DELTAS, O_FOR_DELTA
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-DELTAS = ("dO_O", "dP_P")
-O_FOR_DELTA = ("saved", "fp32")
 NEG_INF = float("-inf")
 Generator = torch.Generator | None
 

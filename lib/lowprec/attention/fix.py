@@ -75,6 +75,8 @@ class Fix:
     def parse(cls, text: str) -> Fix | None:
         """ "<beta>[:<field>=<value>,...]", "true" (Fix()) or "none"/"false" (no fix): the `spec` strings,
         e.g. "2", "7", "2:tie=row", "2:tol=0.001,variant=closed"."""
+        if not isinstance(text, str):
+            raise ValueError(f"fix must be a string like '2' or '2:tie=row' (or 'none'), got {text!r}")
         head, _, rest = text.strip().partition(":")
         if head.lower() in ("none", "false") and not rest:
             return None
@@ -90,6 +92,8 @@ class Fix:
             if not eq or key not in FIX_FIELDS:
                 raise ValueError(f"fix option must be <field>=<value> with field one of {FIX_FIELDS}, got "
                                  f"{item!r} (in {text!r})")
+            if key in changes:
+                raise ValueError(f"fix {text!r} sets {key} twice")
             if key in ("tie", "variant"):
                 changes[key] = value
             else:

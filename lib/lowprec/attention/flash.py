@@ -159,7 +159,10 @@ def _fixed_options(block_d: int) -> dict[str, int]:
 def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *args, **constexprs) -> None:
     """Launch kernel `name` over the grid (`rows`-sized blocks, B*H folded over y and z: the blocks of one
     head run side by side, so its K and V stay in L2, and any batch x heads fits) with the caller's blocks,
-    the PINNED ones in a deterministic run, or the autotuner's pick (blocks (0, 0))."""
+    the PINNED ones in a deterministic run, or the autotuner's pick (blocks (0, 0)). An empty batch launches
+    nothing."""
+    if bh == 0:
+        return
     kernel, tuned = _KERNELS[name]
     y, z = _fold(bh)
     grid = lambda meta: (_cdiv(n, meta[rows]), y, z)
@@ -247,6 +250,8 @@ def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     B, H, N, D = o.shape
     o, do = _addressable(o), _addressable(do)
     delta = torch.empty((B, H, N), device=o.device, dtype=torch.float32)
+    if B * H == 0:
+        return delta
     _delta[(_cdiv(N, 64), *_fold(B * H))](o, do, delta, _strides(o), _strides(do), N, H, B * H, D=D,
                                                  BLOCK_D=_block_d(D), BLOCK_M=64)
     return delta

@@ -13,6 +13,7 @@ import torch
 
 from lowprec.attention.fix import Fix, FixParams, as_fix, f32
 from lowprec.attention.precision import Precision, dot_dtype
+from lowprec.attention.reference import check_scale
 
 DEFAULT_BLOCK = 64
 
@@ -20,11 +21,8 @@ DEFAULT_BLOCK = 64
 def softmax_scale(head_dim: int, scale: float | None = None) -> float:
     """The softmax scale the kernel receives: `scale`, or 1/sqrt(head_dim), rounded to fp32. ValueError unless
     it is a finite number > 0."""
-    if scale is None:
+    if check_scale(scale) is None:
         return f32(1.0 / math.sqrt(head_dim))
-    number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
-    if not (number and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a finite number > 0, got {scale!r}")
     return f32(float(scale))
 
 

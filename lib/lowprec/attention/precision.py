@@ -153,6 +153,8 @@ class Precision:
                     f"precision override must be <point>=<spec> with point one of {POINTS}, "
                     f"tile=<int>|none or norm={'|'.join(NORMS)}, got {item!r} (in {spec!r})"
                 )
+            if key in changes:
+                raise ValueError(f"precision {spec!r} sets {key} twice")
             if key == "norm":
                 changes[key] = value
             elif key == "tile":

@@ -74,11 +74,37 @@ def expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:
     return k if k.shape[1] == heads else k.repeat_interleave(heads // k.shape[1], dim=1)
 
 
+def check_scale(scale: float | None) -> float | None:
+    """`scale` if it is None (1/sqrt(head_dim)) or a finite number > 0 (every backend's softmax scale);
+    ValueError otherwise."""
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a finite number > 0, got {scale!r}")
+    return scale
+
+
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """q k^T * scale (default 1/sqrt(head_dim)) in q's dtype, unmasked (B, H, Nq, Nk), k's heads expanded to
     q's: the scores of every plain attention."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(q.shape[-1]) if check_scale(scale) is None else scale
     return (q @ expand_kv(k, q.shape[1]).transpose(-1, -2)) * scale
+
+
+def masked_product(w: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """w @ v over the visible keys only (`visible`: the (Nq, Nk) mask, None: all): a key the mask hides adds
+    nothing, whatever its value (w @ v alone would add its 0 * NaN = NaN), while a visible one adds w * v
+    as IEEE arithmetic does (a NaN value, or an infinite one at weight 0: NaN; +inf with -inf: NaN)."""
+    bad = ~torch.isfinite(v)
+    o = w @ torch.where(bad, 0.0, v)
+    if not bad.any():
+        return o
+    seen = torch.ones_like(w) if visible is None else visible.to(w.dtype).expand_as(w)
+    nan, pos, neg = (x.to(w.dtype) for x in (v.isnan(), v == float("inf"), v == float("-inf")))
+    weighted = seen * (w > 0).to(w.dtype)
+    n_nan = seen @ nan + (seen * (w == 0).to(w.dtype)) @ (pos + neg)
+    n_pos, n_neg = weighted @ pos, weighted @ neg
+    o = torch.where(n_pos > 0, float("inf"), torch.where(n_neg > 0, float("-inf"), o))
+    return torch.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), float("nan"), o)
 
 
 def reference_attention(
@@ -90,16 +116,18 @@ def reference_attention(
 
     The weights are exp(s - max) / sum(exp(s - max)), exact for any finite scores: normalising by
     exp(s - lse) instead loses the sum where lse = max + log(sum) rounds to max (ties at |s| ~ 1e16).
-    Differentiable (autograd through float64 ops), so it also gives reference gradients.
+    Differentiable (autograd through float64 ops), so it also gives reference gradients. Only what the mask
+    lets through counts: a hidden key's value, NaN included, changes nothing (`masked_product`).
     """
     check_qkv(q, k, v)
     s = scaled_scores(q.double(), k.double(), scale)
+    visible = causal_mask(q.shape[2], q.device, k.shape[2]) if causal else None
     if causal:
-        s = s.masked_fill(~causal_mask(q.shape[2], q.device, k.shape[2]), float("-inf"))
+        s = s.masked_fill(~visible, float("-inf"))
     seen = (s > float("-inf")).any(dim=-1, keepdim=True)  # rows that see at least one key
     m = torch.where(seen, s.amax(dim=-1, keepdim=True), 0.0).detach()  # a shift: o, lse do not depend on it
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
-    o = (e / torch.where(seen, total, 1.0)) @ expand_kv(v.double(), q.shape[1])
+    o = masked_product(e / torch.where(seen, total, 1.0), expand_kv(v.double(), q.shape[1]), visible)
     lse = torch.where(seen, m + torch.log(torch.where(seen, total, 1.0)), float("inf"))
     return o, lse.squeeze(-1)

@@ -18,16 +18,27 @@ import torch
 from lowprec.attention.fix import Fix, as_fix, one_threshold
 from lowprec.attention.precision import INPUT, Precision, Rounding
 
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")  # the kernels torch's SDPA can be pinned to
+MATH_DTYPES = ("float32", "float64")
+DELTAS = ("dO_O", "dP_P")  # the emulator's backward: delta from dO·O (the kernel's) or from dP·P
+O_FOR_DELTA = ("saved", "fp32")
+TILES = tuple(2**k for k in range(4, 15))  # the kernel's tile sizes: powers of two from 16
+BLOCKS = range(1, 2**31)  # the emulator's tile sizes
+SEEDS = range(2**31)  # the kernel's stochastic-rounding seeds
+
+Option = type | tuple | range  # a spec option's values: any of a type, or one of these
+
 
 @dataclass(frozen=True)
 class Backend:
-    """What one backend accepts: a Precision (and then a Fix and statistics), soft-capping, options typed
-    for the spec string, and keywords only a call can pass (tensors, flags)."""
+    """What one backend accepts: a Precision (and then a Fix and statistics), soft-capping, the options of
+    the spec string with their values (a type, or the values allowed), and keywords only a call can pass
+    (tensors, flags)."""
 
     name: str
     precision: bool = False
     softcap: bool = False
-    options: dict[str, type] = field(default_factory=dict)
+    options: dict[str, Option] = field(default_factory=dict)
     call_keywords: tuple[str, ...] = ()
 
     @property
@@ -41,14 +52,41 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("reference", call_keywords=("scale",)),
-    Backend("math", softcap=True, options={"dtype": str}, call_keywords=("scale",)),
-    Backend("sdpa", options={"sdpa_backend": str}, call_keywords=("scale",)),
+    Backend("math", softcap=True, options={"dtype": MATH_DTYPES}, call_keywords=("scale",)),
+    Backend("sdpa", options={"sdpa_backend": SDPA_BACKENDS}, call_keywords=("scale",)),
     Backend("emulated", precision=True,
-            options={"block_m": int, "block_n": int, "delta": str, "o_for_delta": str},
+            options={"block_m": BLOCKS, "block_n": BLOCKS, "delta": DELTAS, "o_for_delta": O_FOR_DELTA},
             call_keywords=("scale", "generator", "return_stats", "return_lse")),
-    Backend("triton", precision=True, options={"block_m": int, "block_n": int, "seed": int},
+    Backend("triton", precision=True, options={"block_m": TILES, "block_n": TILES, "seed": SEEDS},
             call_keywords=("scale", "return_stats", "return_lse")),
 )}
+
+
+def _allows(rule: Option, value: object) -> bool:
+    """Whether an option's `rule` (a type, or the values allowed) admits `value` (a bool is no int)."""
+    if isinstance(rule, type):
+        return isinstance(value, rule) and not isinstance(value, bool)
+    kind = int if isinstance(rule, range) else type(rule[0])
+    return isinstance(value, kind) and not isinstance(value, bool) and value in rule
+
+
+def _rule_text(rule: Option) -> str:
+    if isinstance(rule, type):
+        return f"{'an' if rule is int else 'a'} {rule.__name__}"
+    if isinstance(rule, range):
+        return f"an int in [{rule.start}, {rule.stop})"
+    if rule == TILES:
+        return f"an int, a power of two in [{TILES[0]}, {TILES[-1]}]"
+    return f"one of {rule}"
+
+
+def _option_value(rule: Option, text: str) -> object:
+    """The text of an option's value as its rule's kind (ints for int and range rules and tuples of ints)."""
+    kind = rule if isinstance(rule, type) else int if isinstance(rule, range) else type(rule[0])
+    try:
+        return kind(text)
+    except ValueError:
+        return text  # refused with the rule in __post_init__
 
 
 def backends_with(capability: str) -> tuple[str, ...]:
@@ -81,10 +119,14 @@ class AttentionSpec:
             if key not in caps.options:
                 raise ValueError(f"attention backend {self.backend!r} has no option {key!r}; it takes "
                                  f"{sorted(caps.options) or 'none'}")
-            if not isinstance(value, caps.options[key]) or isinstance(value, bool):
-                kind = caps.options[key].__name__
-                raise ValueError(f"attention option {key} must be {'an' if kind == 'int' else 'a'} {kind}, "
-                                 f"got {value!r}")
+            if not _allows(caps.options[key], value):
+                raise ValueError(f"attention option {key} must be {_rule_text(caps.options[key])}, got "
+                                 f"{value!r}")
+        tiles = caps.options.get("block_m")
+        tile = None if precision is None else precision.tile
+        if tiles and tile is not None and not _allows(tiles, tile):
+            raise ValueError(f"backend {self.backend!r}: precision tile must be {_rule_text(tiles)}, got "
+                             f"{tile}")
         object.__setattr__(self, "precision", precision)
         object.__setattr__(self, "fix", fix)
         object.__setattr__(self, "options", tuple(sorted(options.items())))
@@ -113,11 +155,13 @@ class AttentionSpec:
             if not eq or not key:
                 raise ValueError(f"attention spec {spec!r}: options are key=value items separated by '/', "
                                  f"got {item!r}")
+            if key in fields or key in options:
+                raise ValueError(f"attention spec {spec!r} sets {key} twice")
             try:
                 if key in ("precision", "fix"):
                     fields[key] = Precision.parse(value) if key == "precision" else Fix.parse(value)
                 elif key in caps.options:
-                    options[key] = caps.options[key](value)
+                    options[key] = _option_value(caps.options[key], value)
                 else:
                     keys = [*(("precision", "fix") if caps.precision else ()), *caps.options]
                     raise ValueError(f"backend {backend!r} has no option {key!r}; it takes {keys or 'none'}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lowprec.checks import option
 from lowprec.data.prepare import CODE_CAP_MIB, VAL_FRAC, prepare
 from lowprec.data.sources import GROUPS, SOURCES
 from lowprec.data.tokenizers import TOKENIZERS
@@ -29,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="package archive cache, tokenised sources in its tokens/ (default: <data root>/raw)")
     p.add_argument("--val-frac", type=float, default=VAL_FRAC,
                    help=f"validation share of each source's tokens, whole documents (default {VAL_FRAC})")
-    p.add_argument("--cap-mib", type=float, default=CODE_CAP_MIB,
+    p.add_argument("--cap-mib", type=option(float, 0, low_open=True), default=CODE_CAP_MIB,
                    help=f"code: at most this many MiB of text per package (default {CODE_CAP_MIB})")
     p.add_argument("--force", action="store_true", help="rebuild even when the dir is up to date")
     i = sub.add_parser("info", help="check a data dir (sizes, sha256) and summarise its manifest")
@@ -43,7 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--out", type=Path, required=True, help="folder for the shards (empty, or this pack's)")
     k.add_argument("--shard-mib", type=float, default=None, help="largest shard in MiB (default 40)")
     k.add_argument("--preset", type=int, default=None, help="xz preset 0-9 (default 6)")
-    k.add_argument("--workers", type=int, default=None, help="compressing processes (default: the cores)")
+    k.add_argument("--workers", type=option(int, 1), default=None,
+                   help="compressing processes (default: the cores)")
     u = sub.add_parser("unpack", help="apply the shards that have arrived; when all are in, a data dir",
                        description="Checks each shard against pack.json and writes it into place; re-run it "
                                    "after each transfer: shards already applied are skipped.")

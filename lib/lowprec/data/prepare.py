@@ -40,7 +40,7 @@ from lowprec.data.sources import (
 )
 from lowprec.data.tokenizers import EOT_TEXT, GPT2_FILES, check_tokenizer_name, get_tokenizer, sha256_file
 from lowprec.data.tokens import FORMAT, SPLITS, TokenData, data_root, default_data_dir
-from lowprec.fsutil import atomic_write, check_target
+from lowprec.fsutil import atomic_write, check_target, lock_folder, remove_temporaries
 from lowprec.runs import provenance
 
 VAL_FRAC = 0.01
@@ -59,21 +59,32 @@ class SplitWriter:
     def __init__(self, out: Path, split: str):
         self.path = out / f"{split}.bin"
         # kept open across add() calls; close() or discard() ends it
-        self.file = tempfile.NamedTemporaryFile(dir=out, prefix=f".{split}.bin.", delete=False)  # noqa: SIM115
+        self.file = tempfile.NamedTemporaryFile(dir=out, prefix=f".{split}.bin.", suffix=".tmp",  # noqa: SIM115
+                                                delete=False)
         self.sha256 = hashlib.sha256()
         self.tokens = self.documents = 0
 
     def add(self, tokens: np.ndarray, documents: int) -> None:
         data = np.ascontiguousarray(tokens, dtype=np.uint16).tobytes()
-        self.file.write(data)
+        with self._naming():
+            self.file.write(data)
         self.sha256.update(data)
         self.tokens += len(tokens)
         self.documents += documents
 
     def close(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with self._naming():
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+
+    @contextlib.contextmanager
+    def _naming(self) -> Iterator[None]:
+        """An OSError of a write (a full disk) names the file being written."""
+        try:
+            yield
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") from exc
 
     def discard(self) -> None:
         self.file.close()
@@ -193,20 +204,26 @@ def write_dataset(out: Path, sources: Iterable[tuple[dict, list[str]] | Part], t
                   request: dict, command: str, progress: bool = True) -> dict:
     """Write each source, a (provenance record, documents) pair or a tokenised `Part`, into `out`; returns
     the manifest (also written). A document seen before, in this or an earlier source, is dropped (so none
-    sits in both splits). The sources of a slice (record "slice", default "english") must come together."""
+    sits in both splits). The sources of a slice (record "slice", default "english") must come together. One
+    writer at a time (an OS lock on `out`: a second waits), which first removes the temporary files a killed
+    one left."""
     if tokenizer.vocab_size > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"tokenizer {tokenizer.name}: vocab {tokenizer.vocab_size} does not fit uint16")
-    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_folder(out, wait=True)  # one writer at a time; a killed one's temporary files are then stale
     writers: dict[str, SplitWriter] = {}
-    with sigterm_raises():
-        try:
-            for split in SPLITS:
-                writers[split] = SplitWriter(out, split)
-            return _write_splits(out, writers, sources, tokenizer, val_frac, request, command, progress)
-        except BaseException:
-            for writer in writers.values():
-                writer.discard()
-            raise
+    try:
+        remove_temporaries(out)
+        with sigterm_raises():
+            try:
+                for split in SPLITS:
+                    writers[split] = SplitWriter(out, split)
+                return _write_splits(out, writers, sources, tokenizer, val_frac, request, command, progress)
+            except BaseException:
+                for writer in writers.values():
+                    writer.discard()
+                raise
+    finally:
+        os.close(lock)
 
 
 def _write_splits(out: Path, writers: dict[str, SplitWriter],

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from lowprec.attention.dispatch import sdpa_attention, sdpa_failure
 from lowprec.attention.fix import Fix
+from lowprec.checks import option
 
 HIDDEN = 2048  # heads x head_dim, as in the FlashAttention-2 paper's benchmarks
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -43,12 +44,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--seq", type=int_list, default=[1024, 2048, 4096, 8192, 16384], help="sequence lengths"
     )
     parser.add_argument("--head-dim", type=int_list, default=[64, 128, 256], help="head dimensions")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per configuration")
+    parser.add_argument("--rounds", type=option(int, 1), default=3,
+                        help="interleaved timing rounds per configuration")
     parser.add_argument("--causal", choices=("false", "true", "both"), default="both")
-    parser.add_argument("--tokens", type=int, default=16384, help="batch x seq per configuration")
+    parser.add_argument("--tokens", type=option(int, 1), default=16384, help="batch x seq per configuration")
     parser.add_argument(
         "--budget",
-        type=float,
+        type=option(float, 0, low_open=True),
         default=900.0,
         help="seconds; no new (seq, head dim, causal) configuration starts after this (results are kept)",
     )

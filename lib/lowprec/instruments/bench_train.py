@@ -17,7 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from lowprec.checks import option
 from lowprec.configs import CONFIGS, TrainConfig, get_config
+from lowprec.fsutil import check_target
 from lowprec.model import GPT
 from lowprec.runs import provenance, write_json
 from lowprec.train import train
@@ -71,11 +73,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "triton/precision=fa2); default: sdpa math")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per backend (default 50)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile; default 10)")
-    parser.add_argument("--telemetry-interval", type=int, default=None,
+    parser.add_argument("--telemetry-interval", type=option(int, 0), default=None,
                         help="telemetry interval of the overhead run (default: the config's; 0 skips it)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="config override, as for lowprec train")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak for MFU (default: H200 989)")
+    parser.add_argument("--peak-tflops", type=option(float, 0, low_open=True), default=None,
+                        help="peak for MFU (default: H200 989)")
     parser.add_argument("--runs-dir", default=None, help="keep the run records here (default: a temp folder)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -83,6 +86,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 1:
         raise ValueError("--steps and --warmup must be >= 1")
+    if args.out:
+        check_target(args.out, "--out", folder=False)  # before the work, not after it
     base = get_config(args.config, args.overrides)
     for spec in args.backends:
         dataclasses.replace(base.model, attention=spec)  # validates the spec

@@ -19,6 +19,7 @@ import torch
 from lowprec.analysis import BIASED_T, ErrorStats
 from lowprec.attention import AttentionSpec, emulated_attention
 from lowprec.checkpoint import load_checkpoint
+from lowprec.checks import option
 from lowprec.configs import TrainConfig, apply_overrides
 from lowprec.data import sample_batch
 from lowprec.instruments.control import (
@@ -380,7 +381,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys-batches", type=int, default=4,
                         help="the first N batches also give each head's key shares and mean alignment, and "
                              "R's alignment with the mean key and input (default 4; 0: off)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=option(int, 1), default=None,
                         help="sequences per batch (default: the run's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override a field of the run's config, e.g. --set device=cpu")

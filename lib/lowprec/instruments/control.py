@@ -18,6 +18,7 @@ import torch
 from lowprec.analysis import ErrorStats
 from lowprec.attention import Fix, Precision, emulated_attention, reference_attention
 from lowprec.attention.reference import causal_mask, scaled_scores
+from lowprec.checks import number
 from tqdm import tqdm
 
 TREATMENTS = ("lowp", "fix", "fp32pv", "reference")  # what a run does to its placement (appendix)
@@ -65,10 +66,12 @@ class ControlConfig:
         if self.v_mean == 0:
             raise ValueError("v_mean must be nonzero (same-sign values are the point)")
         for name in ("near_gap", "v_std", "lr", "sgd_lr"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.adam_eps > 0:
-            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps!r}")
+            number(name, getattr(self, name), float, 0)
+        for name in ("sink_score", "v_mean", "bias_weight"):
+            number(name, getattr(self, name))
+        number("adam_eps", self.adam_eps, float, 0, low_open=True)
+        number("beta", self.beta, float, 1, low_open=True)
+        number("seed", self.seed, int, 0)
 
     @property
     def scale(self) -> float:

@@ -21,6 +21,7 @@ import torch
 from lowprec.analysis import ErrorStats
 from lowprec.attention import Fix, Precision, Rounding, emulated_attention, reference_attention
 from lowprec.attention.precision import INPUT, POINTS
+from lowprec.checks import option
 from lowprec.formats import FORMATS, Format, round_to
 from lowprec.instruments.bias import (
     CASES,
@@ -270,9 +271,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder for cures.json (created if missing)")
     parser.add_argument("--rows", type=int, default=None,
                         help="rows per input family (default 100000 on a GPU, 64 with --smoke)")
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length of the cost benchmark")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dimension of the cost benchmark")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds of the benchmark")
+    parser.add_argument("--seq", type=option(int, 1), default=4096,
+                        help="sequence length of the cost benchmark")
+    parser.add_argument("--head-dim", type=option(int, 1), default=128,
+                        help="head dimension of the cost benchmark")
+    parser.add_argument("--rounds", type=option(int, 1), default=3,
+                        help="interleaved timing rounds of the benchmark")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on a CPU via the interpreter)")
 
 

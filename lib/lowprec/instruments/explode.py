@@ -13,6 +13,7 @@ the book's appendix "Methods and record formats".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import torch
 from lowprec.analysis import format_runs, run_summary
 from lowprec.attention import AttentionSpec, Fix, Precision
 from lowprec.attention.spec import backends_with
+from lowprec.checks import option
 from lowprec.configs import CONFIGS, get_config
 from lowprec.runs import check_target, metrics_file, provenance, write_json
 
@@ -97,9 +100,11 @@ def run_name(arm: str, seed: int) -> str:
 
 
 def launch(cmd: list[str], gpu: int | None, log: Path, threads: int | None = None) -> subprocess.Popen:
-    """Start one run: on GPU `gpu`, or on the CPU with `threads` intra-op threads (runs sharing the cores
-    each take a share: oversubscribed, torch's threads spin-wait and every run slows many times over)."""
-    env = dict(os.environ)
+    """Start one `lowprec` command: on GPU `gpu`, or on the CPU with `threads` intra-op threads (runs sharing
+    the cores each take a share: oversubscribed, torch's threads spin-wait and every run slows many times
+    over). It ends with this process, however this one ends (`cli.follow_parent`: SIGTERM, so a trainer
+    checkpoints and records "interrupted")."""
+    env = {**os.environ, "LOWPREC_PARENT_PID": str(os.getpid())}  # cli.PARENT_ENV
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     if threads is not None:
@@ -107,6 +112,28 @@ def launch(cmd: list[str], gpu: int | None, log: Path, threads: int | None = Non
     with open(log, "w") as handle:
         # own process group: the harness's Ctrl-C reaches the children only through stop_all (one SIGTERM)
         return subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM and SIGHUP raise KeyboardInterrupt, as Ctrl-C does, so that a harness told to
+    stop by a signal stops its runs and writes its record; a second such signal ends it at once (its runs
+    still end with it: `launch`)."""
+    signals = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+
+    def interrupt(signum, frame) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop_all(procs: dict[str, subprocess.Popen], grace_s: float) -> None:
@@ -142,13 +169,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "paper64-fp32pv, bf16scores, bf16rowsum, onesK, kbitK, each optionally with "
                              "-consistent, then -fix; attn-fp32, model-fp32")
     parser.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (init and batch order)")
-    parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock budget; then SIGTERM")
-    parser.add_argument("--gpus", type=int, default=None,
+    parser.add_argument("--minutes", type=option(float, 0, low_open=True), default=8.0,
+                        help="wall-clock budget; then SIGTERM")
+    parser.add_argument("--gpus", type=option(int, 0), default=None,
                         help="GPUs to spread the runs over (default: all visible; 0 = CPU)")
     parser.add_argument("--backend", default="triton", choices=FIX_BACKENDS, help="attention implementation")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="config override for every run (repeatable), e.g. --set lr=3e-3")
-    parser.add_argument("--grace", type=float, default=60.0, help="seconds a stopped run may take to save")
+    parser.add_argument("--grace", type=option(float, 0), default=60.0,
+                        help="seconds a stopped run may take to save")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,12 +190,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
     if not arms or not seeds:
         raise ValueError("--arms and --seeds must each name at least one item")
-    if args.minutes <= 0:
-        raise ValueError(f"--minutes must be > 0, got {args.minutes}")
-    if args.grace < 0:
-        raise ValueError(f"--grace must be >= 0, got {args.grace}")
     visible = torch.cuda.device_count()
-    if args.gpus is not None and not 0 <= args.gpus <= visible:
+    if args.gpus is not None and args.gpus > visible:
         raise ValueError(f"--gpus {args.gpus}: this machine has {visible} visible GPU(s); pass 0..{visible} "
                          "(0 = CPU)")
     check_target(args.out, "--out")
@@ -183,30 +208,35 @@ def run(args: argparse.Namespace) -> int:
     procs: dict[str, subprocess.Popen] = {}
     plan = {"config": args.config, "overrides": args.overrides, "arms": specs, "seeds": seeds,
             "minutes": args.minutes, "gpus": gpus, "command": sys.argv}
-    for i, (seed, arm) in enumerate(jobs):
-        name = run_name(arm, seed)
-        cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", args.config,
-               "--out", str(out / name), "--set", f"seed={seed}", "--set", "progress=false",
-               *itertools.chain.from_iterable(("--set", o) for o in [*sets[arm], *args.overrides])]
-        threads = None if gpus else max(1, (os.cpu_count() or 1) // len(jobs))
-        procs[name] = launch(cmd, i % gpus if gpus else None, out / f"{name}.log", threads)
-    print(f"explode: {len(procs)} runs ({', '.join(arms)} x seeds {seeds}) on "
-          f"{gpus or 'no'} GPU(s) for {args.minutes:g} min -> {out}", flush=True)
+    record = {"plan": plan, "provenance": provenance(plan["command"]), "state": "running"}
+    write_json(out / "experiment.json", record)  # what a harness killed outright leaves; its runs end with it
     t0 = time.monotonic()
-    try:
-        while time.monotonic() - t0 < args.minutes * 60 and any(p.poll() is None for p in procs.values()):
-            time.sleep(POLL_S)
-            if int(time.monotonic() - t0) % 60 < POLL_S:
-                status = "  ".join(f"{n}:{last_step(out / n)}{'' if p.poll() is None else '!'}"
-                                   for n, p in procs.items())
-                print(f"[{time.monotonic() - t0:5.0f}s] {status}", flush=True)
-    except KeyboardInterrupt:
-        print("explode: interrupted; stopping the runs (each saves a checkpoint)", flush=True)
-    stop_all(procs, args.grace)
-    runs = {name: {"arm": arm, "seed": seed, "attention": specs[arm], "exit_code": procs[name].returncode,
-                   **run_summary(out / name)}
-            for seed, arm in jobs for name in [run_name(arm, seed)]}
-    write_json(out / "experiment.json", {"plan": plan, "provenance": provenance(plan["command"]),
-                                         "wall_s": time.monotonic() - t0, "runs": runs})
-    print(format_runs(runs))
+    with signals_interrupt():
+        try:
+            for i, (seed, arm) in enumerate(jobs):
+                name = run_name(arm, seed)
+                cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", args.config,
+                       "--out", str(out / name), "--set", f"seed={seed}", "--set", "progress=false",
+                       *itertools.chain.from_iterable(("--set", o) for o in [*sets[arm], *args.overrides])]
+                threads = None if gpus else max(1, (os.cpu_count() or 1) // len(jobs))
+                procs[name] = launch(cmd, i % gpus if gpus else None, out / f"{name}.log", threads)
+            print(f"explode: {len(procs)} runs ({', '.join(arms)} x seeds {seeds}) on "
+                  f"{gpus or 'no'} GPU(s) for {args.minutes:g} min -> {out}", flush=True)
+            while time.monotonic() - t0 < args.minutes * 60 and any(p.poll() is None for p in procs.values()):
+                time.sleep(POLL_S)
+                if int(time.monotonic() - t0) % 60 < POLL_S:
+                    status = "  ".join(f"{n}:{last_step(out / n)}{'' if p.poll() is None else '!'}"
+                                       for n, p in procs.items())
+                    print(f"[{time.monotonic() - t0:5.0f}s] {status}", flush=True)
+            record["state"] = "finished"
+        except KeyboardInterrupt:
+            record["state"] = "stopped"
+            print("explode: interrupted; stopping the runs (each saves a checkpoint)", flush=True)
+        stop_all(procs, args.grace)
+    record["runs"] = {name: {"arm": arm, "seed": seed, "attention": specs[arm],
+                             "exit_code": procs[name].returncode, **run_summary(out / name)}
+                      for seed, arm in jobs for name in [run_name(arm, seed)] if name in procs}
+    record["wall_s"] = time.monotonic() - t0
+    write_json(out / "experiment.json", record)
+    print(format_runs(record["runs"]))
     return 0

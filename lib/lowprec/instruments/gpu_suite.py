@@ -23,6 +23,7 @@ from lowprec.attention.dispatch import SDPA_BACKENDS, attention, math_attention,
 from lowprec.attention.fix import Fix
 from lowprec.attention.flash import FIXED_BLOCKS, flash_attention
 from lowprec.attention.reference import reference_attention
+from lowprec.checks import option
 from lowprec.instruments.bias import CASES, BiasResult, Rows, bias_of, format_table, with_v_mean
 from lowprec.runs import provenance, write_json
 from tqdm import tqdm
@@ -401,12 +402,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on a CPU via the interpreter)")
     parser.add_argument(
         "--rows",
-        type=int,
+        type=option(int, 1),
         default=None,
         help="adversarial rows per bias case (default 100000 on a GPU, 256 with --smoke)",
     )
     parser.add_argument(
-        "--fuzz", type=int, default=None, help="random configurations (default 1000; 6 with --smoke)"
+        "--fuzz", type=option(int, 0), default=None,
+        help="random configurations (default 1000; 6 with --smoke)",
     )
     parser.add_argument("--sections", default="bias,correctness,fuzz", help="comma-separated subset to run")
 

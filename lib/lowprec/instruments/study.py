@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 from lowprec.analysis import outcome, survival_table
+from lowprec.checks import option
 from lowprec.configs import CONFIGS, get_config
-from lowprec.instruments.explode import arm_overrides, launch, run_name, stop_all
+from lowprec.instruments.explode import arm_overrides, launch, run_name, signals_interrupt, stop_all
 from lowprec.runs import RunRecordError, load_run, provenance, write_json
 
 START_S = 30.0  # a process's start before its first step (imports, data), beside the trainer's own time_s
@@ -119,11 +120,15 @@ def status(queue: dict, home: Path, out: Path | None) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue", required=True, help="queue file (JSON; records beside it count as done)")
     parser.add_argument("--out", help="folder for new run records (one per arm and seed)")
-    parser.add_argument("--minutes", type=float, default=20.0, help="no run starts that would end after this")
-    parser.add_argument("--slots", type=int, default=1, help="runs at a time (on the one GPU, or the CPU)")
+    parser.add_argument("--minutes", type=option(float, 0, low_open=True), default=20.0,
+                        help="no run starts that would end after this")
+    parser.add_argument("--slots", type=option(int, 1), default=1,
+                        help="runs at a time (on the one GPU, or the CPU)")
     parser.add_argument("--status", action="store_true", help="print each run's state and the table, exit")
-    parser.add_argument("--dry-run", action="store_true", help="print what would start, and exit")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds a stopped run may take to end")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what would start, and exit")
+    parser.add_argument("--grace", type=option(float, 0), default=30.0,
+                        help="seconds a stopped run may take to end")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if out is None:
         raise ValueError("--out is required unless --status")
-    if args.minutes <= 0 or args.slots < 1:
-        raise ValueError(f"--minutes must be > 0 and --slots >= 1, got {args.minutes} and {args.slots}")
     for item in queue["runs"]:  # a bad override fails here, before anything starts
         get_config(queue["config"], run_overrides(queue, item))
     every = states(queue, home, out)
@@ -148,50 +151,65 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
     started: dict[str, float] = {}
-    log = {"queue": str(args.queue), "provenance": provenance(sys.argv), "budget_s": budget, "runs": {}}
-    try:
-        while True:
-            now = time.monotonic() - t0
-            running = [n for n, p in procs.items() if p.poll() is None]
-            for r in list(rows):
-                if len(running) >= args.slots:
-                    break
-                if now + expected[r["name"]] > budget:
-                    continue
-                rows.remove(r)
-                name = r["name"]
-                if args.dry_run:
-                    print(f"would start {name} (expected {expected[name]:.0f} s)")
-                    running.append(name)
-                    continue
-                folder = out / name
-                if folder.exists():  # a partial record of an earlier budget: the run starts over
-                    shutil.rmtree(folder)
-                sets = run_overrides(queue, r)
-                cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out",
-                       str(folder), *(x for o in sets for x in ("--set", o))]
-                gpu = 0 if torch.cuda.is_available() else None
-                threads = None if gpu == 0 else max(1, (os.cpu_count() or 1) // args.slots)
-                procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)
-                started[name] = now
-                running.append(name)
-                print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
-            if args.dry_run or not running:
-                break
-            time.sleep(5)
-            if int(time.monotonic() - t0) % 60 < 5:
-                print(f"[{time.monotonic() - t0:5.0f}s] running {', '.join(running)}", flush=True)
-            if time.monotonic() - t0 > budget:
-                print("budget spent: stopping the runs still going (they stay planned)", flush=True)
-                break
-    except KeyboardInterrupt:
-        print("study: interrupted; stopping the runs", flush=True)
-    stop_all(procs, args.grace)
+    log = {"queue": str(args.queue), "provenance": provenance(sys.argv), "budget_s": budget, "runs": {},
+           "state": "running"}
+    log_path = out / f"study-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    if not args.dry_run:
+        write_json(log_path, log)  # what a harness killed outright leaves; its runs end with it
+    with signals_interrupt():
+        try:
+            _make_runs(args, queue, rows, expected, budget, out, t0, procs, started)
+            log["state"] = "finished"
+        except KeyboardInterrupt:
+            log["state"] = "stopped"
+            print("study: interrupted; stopping the runs", flush=True)
+        stop_all(procs, args.grace)
     for name, proc in procs.items():
         state, _ = run_state([out / name], queue["horizon"])
         log["runs"][name] = {"started_s": started[name], "exit_code": proc.returncode, "state": state}
     if not args.dry_run:
         log["wall_s"] = time.monotonic() - t0
-        write_json(out / f"study-{time.strftime('%Y%m%dT%H%M%S')}.json", log)
+        write_json(log_path, log)
         print(status(queue, home, out))
     return 0
+
+
+def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected: dict[str, float],
+               budget: float, out: Path, t0: float, procs: dict[str, subprocess.Popen],
+               started: dict[str, float]) -> None:
+    """`run`'s loop: start planned runs in queue order, `--slots` at a time, while the budget lasts (into
+    `procs` and `started`); returns when none is running and none can start, or the budget is spent."""
+    while True:
+        now = time.monotonic() - t0
+        running = [n for n, p in procs.items() if p.poll() is None]
+        for r in list(rows):
+            if len(running) >= args.slots:
+                break
+            if now + expected[r["name"]] > budget:
+                continue
+            rows.remove(r)
+            name = r["name"]
+            if args.dry_run:
+                print(f"would start {name} (expected {expected[name]:.0f} s)")
+                running.append(name)
+                continue
+            folder = out / name
+            if folder.exists():  # a partial record of an earlier budget: the run starts over
+                shutil.rmtree(folder)
+            sets = run_overrides(queue, r)
+            cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out",
+                   str(folder), *(x for o in sets for x in ("--set", o))]
+            gpu = 0 if torch.cuda.is_available() else None
+            threads = None if gpu == 0 else max(1, (os.cpu_count() or 1) // args.slots)
+            procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)
+            started[name] = now
+            running.append(name)
+            print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
+        if args.dry_run or not running:
+            break
+        time.sleep(5)
+        if int(time.monotonic() - t0) % 60 < 5:
+            print(f"[{time.monotonic() - t0:5.0f}s] running {', '.join(running)}", flush=True)
+        if time.monotonic() - t0 > budget:
+            print("budget spent: stopping the runs still going (they stay planned)", flush=True)
+            break
