@@ -1,6 +1,9 @@
 """Analysis of recorded runs for the book and the experiments: signed-error statistics (`ErrorStats`),
-per-head t-scores of the δ error, the paper's signature, loss spikes, runaways, one-line run summaries, and
-the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`).
+per-head t-scores of the δ error, the paper's signature, the logits' onsets (runaways, `first_over`,
+`first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a run's events and
+recipe (`outcomes`, `recipe`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line run
+summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`,
+`survival_table`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -8,7 +11,9 @@ kernel code, so a chapter that only reads results stays fast.
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +85,45 @@ def signature(run: Run) -> dict:
     }
 
 
-def runaway_step(run: Run, layer: int = 1, threshold: float = RUNAWAY_LOGIT) -> int | None:
-    """First telemetry step at which `layer`'s largest logit (over heads and sampled rows) passes
-    `threshold` (None if never); layer 1 is the paper's "layer 2"."""
+def layer_logit(run: Run, layer: int = 1) -> tuple[list[int], list[float]]:
+    """(steps, values): `layer`'s largest attention logit (over heads and sampled rows) at each telemetry
+    sample; layer 1 is the paper's "layer 2"."""
     steps, logits = run.telemetry("max_logit")  # [sample][layer][head]
-    return next((s for s, sample in zip(steps, logits, strict=True) if max(sample[layer]) > threshold), None)
+    return steps, [max(sample[layer]) for sample in logits]
+
+
+def largest_logit(run: Run) -> float:
+    """The largest attention logit of any layer and head over a run's telemetry."""
+    return max(max(map(max, sample)) for sample in run.telemetry("max_logit")[1])
+
+
+def head_series(run: Run, key: str, layer: int, head: int) -> list[float]:
+    """One head's telemetry signal `key` (max_logit, wq_norm, pbar_ones, ...) at each sample."""
+    return [sample[layer][head] for sample in run.telemetry(key)[1]]
+
+
+def first_over(run: Run, layer: int = 1, threshold: float = RUNAWAY_LOGIT) -> dict[int, int]:
+    """Telemetry step at which each head of `layer` first passes `threshold`, by head (heads that never do
+    are left out)."""
+    firsts: dict[int, int] = {}
+    for step, sample in zip(*run.telemetry("max_logit"), strict=True):
+        for head, logit in enumerate(sample[layer]):
+            if logit > threshold:
+                firsts.setdefault(head, step)
+    return firsts
+
+
+def runaway_step(run: Run, layer: int = 1, threshold: float = RUNAWAY_LOGIT) -> int | None:
+    """The runaway: first telemetry step at which `layer`'s largest logit (over heads and sampled rows)
+    passes `threshold` (None if never), the first of `first_over`; layer 1 is the paper's "layer 2"."""
+    return min(first_over(run, layer, threshold).values(), default=None)
+
+
+def first_layer(run: Run, threshold: float = RUNAWAY_LOGIT) -> int | None:
+    """Index of the first layer whose largest logit passes `threshold` (the lowest, if several at one
+    sample; None if none does)."""
+    return next((min(i for i, layer in enumerate(sample) if max(layer) > threshold)
+                 for sample in run.telemetry("max_logit")[1] if max(map(max, sample)) > threshold), None)
 
 
 def moving_mean(values: list[float], window: int = SPIKE_WINDOW) -> list[float]:
@@ -108,6 +147,123 @@ def loss_spike(run: Run, factor: float = SPIKE_FACTOR, window: int = SPIKE_WINDO
         if first is None and mean > factor * low:
             first = step
     return {"spike_step": first, "max_ratio": worst}
+
+
+def smoothed_loss(run: Run, window: int = 20) -> tuple[list[int], list[float]]:
+    """(steps, moving mean of `window` logged losses), for plotting."""
+    steps, loss = run.series("loss")
+    return steps[window - 1 :], moving_mean(loss, window)
+
+
+def mean_loss(run: Run, start: int, stop: int) -> float:
+    """Mean of the logged losses at steps in [start, stop)."""
+    window = [v for s, v in zip(*run.series("loss"), strict=True) if start <= s < stop]
+    return sum(window) / len(window)
+
+
+def first_difference(run: Run, other: Run) -> int | None:
+    """The first logged step (of those both runs logged) at which two runs' training losses differ; None if
+    they agree at every one."""
+    theirs = dict(zip(*other.series("loss"), strict=True))
+    return next((step for step, loss in zip(*run.series("loss"), strict=True)
+                 if step in theirs and theirs[step] != loss), None)
+
+
+def outcomes(run: Run) -> dict:
+    """A run's three events and its length: the runaway (`runaway_step`, layer index 1), the spike
+    (`loss_spike`), the explosion (the trainer's stop rule, from its summary) and the steps it reached."""
+    return {"runaway": runaway_step(run), "spike": loss_spike(run)["spike_step"],
+            "explosion": run.summary.get("diverged_step"), "steps": run.summary.get("steps")}
+
+
+def recipe(config: dict) -> dict:
+    """What experiments differ in: the model (layers x width), tokens per step, the corpus (its folder's
+    name), the peak learning rate and its schedule (constant, or a cosine decay)."""
+    model = config["model"]
+    return {"model": f"{model['n_layer']}x{model['n_embd']}",
+            "tokens_per_step": config["batch_size"] * config["grad_accum"] * model["block_size"],
+            "corpus": Path(config["data"]).name, "lr": config["lr"],
+            "schedule": "constant" if config["min_lr"] == config["lr"] else "cosine"}
+
+
+# ---- growth of the logits before a runaway ----
+
+def window_growth(steps: list[int], values: list[float], early: tuple[int, int] = (750, 1250),
+                  late: tuple[int, int] = (2250, 2750)) -> float:
+    """Median of the values at the steps in `late` over their median in `early` (each [start, stop))."""
+    median = [statistics.median(x for s, x in zip(steps, values, strict=True) if a <= s < b)
+              for a, b in (early, late)]
+    return median[1] / median[0]
+
+
+def head_growth(run: Run, key: str, head: int, late: tuple[int, int] = (2250, 2750), layer: int = 1) -> float:
+    """`window_growth` of one head's telemetry `key` (max_logit, wq_norm, wk_norm)."""
+    return window_growth(run.telemetry(key)[0], head_series(run, key, layer, head), late=late)
+
+
+def slow_growth(run: Run, late: tuple[int, int] = (2250, 2750)) -> float:
+    """`window_growth` of layer index 1's largest logit (over its heads and sampled rows)."""
+    return window_growth(*layer_logit(run), late=late)
+
+
+def fastest_head(run: Run, layer: int = 1) -> int:
+    """The head of `layer` whose largest logit grows most in the slow phase (`head_growth`)."""
+    return max(range(len(run.telemetry("max_logit")[1][0][layer])),
+               key=lambda head: head_growth(run, "max_logit", head, layer=layer))
+
+
+def norm_growth_before(run: Run, layer: int = 1) -> dict[str, float]:
+    """The first head of `layer` to pass the runaway threshold (`first_over`): growth of its ‖W_Q,h‖ and
+    ‖W_K,h‖ from steps 750-1,250 to the 500 steps ending 250 before it passed; ValueError without one."""
+    firsts = first_over(run, layer)
+    if not firsts:
+        raise ValueError(f"{run.path}: no runaway in layer {layer}")
+    head = min(firsts, key=firsts.get)
+    late = (firsts[head] - 750, firsts[head] - 250)
+    return {key: head_growth(run, key, head, late, layer) for key in ("wq_norm", "wk_norm")}
+
+
+# ---- criterion records (`lowprec experiment bias-noise`) ----
+
+def criterion(folder: Path, name: str, step: int, spec: str | None = None, batches: int = 32,
+              tokens_per_batch: int = 8192) -> dict:
+    """One run's criterion record at one checkpoint, `<folder>/bias-noise/<name>-step<step>.json`, under
+    `spec` (needed where the record tested several): {"heads": [layer][head]} of W_Q, where recorded
+    "heads_k" (W_K), and "sources" ([layer][head]: how many rows one key dominates, or None). ValueError if
+    the record is of another checkpoint, batch count or batch size."""
+    record = json.loads((Path(folder) / "bias-noise" / f"{name}-step{step}.json").read_text())
+    (checkpoint,) = record["checkpoints"]
+    measured = (checkpoint["step"], record["batches"], record["tokens_per_batch"])
+    if measured != (step, batches, tokens_per_batch):
+        raise ValueError(f"{name} step {step}: the record is of step {measured[0]}, {measured[1]} batches of "
+                         f"{measured[2]} tokens")
+    specs = checkpoint["specs"]
+    if spec is None and len(specs) != 1:
+        raise ValueError(f"{name} step {step}: the record holds specs {sorted(specs)}: name one")
+    found = specs[spec] if spec is not None else next(iter(specs.values()))
+    return {**found, "sources": checkpoint.get("sources")}
+
+
+def biased_heads(heads: list[list[dict]]) -> list[tuple[int, int]]:
+    """(layer, head) of every head a criterion record calls biased."""
+    return [(i, h) for i, layer in enumerate(heads) for h, x in enumerate(layer) if x["biased"]]
+
+
+def head_t(heads: list[list[dict]], key: str = "t") -> torch.Tensor:
+    """(layers, heads) of one statistic of a criterion record's heads (`key`: "t", "norm_error_t", ...)."""
+    return torch.tensor([[h[key] for h in layer] for layer in heads], dtype=torch.float64)
+
+
+def combined_z(records: list[dict], projection: str = "heads", key: str = "t") -> torch.Tensor:
+    """(layers, heads): each head's `key` in `projection` ("heads": W_Q, "heads_k": W_K) summed over the
+    criterion records of several checkpoints and divided by √(their number), standard normal for independent
+    noise."""
+    return sum(head_t(r[projection], key) for r in records) / math.sqrt(len(records))
+
+
+def layer_t2(records: list[dict], projection: str = "heads") -> list[float]:
+    """Per layer: the mean t² over its heads and the criterion records of several checkpoints."""
+    return torch.stack([head_t(r[projection]) ** 2 for r in records]).mean((0, 2)).tolist()
 
 
 def run_summary(run_dir: Path) -> dict:

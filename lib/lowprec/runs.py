@@ -23,7 +23,7 @@ import subprocess
 import sys
 import uuid
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -595,4 +595,24 @@ def list_runs(root: str | Path) -> list[dict]:
         if metrics_file(config.parent).exists():
             summary = _read_json(summary_path) if summary_path.exists() else {}
             runs.append({"path": str(config.parent), **summary})
+    return runs
+
+
+def load_experiment(folder: str | Path, name: Callable[[dict], str] | None = None) -> dict[str, Run]:
+    """The training runs of one experiment folder (each run folder directly inside it, or the folder itself
+    where it is one run), loaded, by `name(config)` (default: the folder's name); replays kept inside a run
+    folder are not its runs. ValueError if two runs get one name or the folder holds no run."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"experiment folder {folder} does not exist")
+    found = [folder] if (folder / "config.json").exists() else sorted(
+        d for d in folder.iterdir() if (d / "config.json").exists() and not (d / "replay.json").exists())
+    if not found:
+        raise ValueError(f"{folder} holds no run folder")
+    runs: dict[str, Run] = {}
+    for path in found:
+        key = name(load_config(path)) if name else path.name
+        if key in runs:
+            raise ValueError(f"{folder}: two runs named {key!r} ({runs[key].path.name}, {path.name})")
+        runs[key] = load_run(path)
     return runs

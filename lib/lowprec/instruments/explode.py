@@ -99,6 +99,12 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
 
 
+def record_name(config: dict) -> str:
+    """A recorded run's name, `<arm>-s<seed>`, the arm read from its attention spec and dtype (so records
+    made before an arm was renamed read under its current name): `runs.load_experiment`'s `name`."""
+    return run_name(arm_of(config["model"]["attention"], config.get("dtype", "bfloat16")), config["seed"])
+
+
 def launch(cmd: list[str], gpu: int | None, log: Path, threads: int | None = None) -> subprocess.Popen:
     """Start one `lowprec` command: on GPU `gpu`, or on the CPU with `threads` intra-op threads (runs sharing
     the cores each take a share: oversubscribed, torch's threads spin-wait and every run slows many times

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import textwrap
 from collections.abc import Sequence
@@ -9,7 +10,9 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 import torch
 
+from lowprec.analysis import RUNAWAY_LOGIT, layer_logit
 from lowprec.formats import Format, as_format, bits, round_to
+from lowprec.runs import Run
 
 FIELD_COLOURS = {"sign": "#d62728", "exponent": "#1f77b4", "significand": "#2ca02c"}
 # A table's layout (px): a width at or below the width the book's pages give a figure (688 in a window 1280
@@ -84,4 +87,31 @@ def table_figure(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
     top = 60
     height = top + sum(lines(row) * LINE_HEIGHT + ROW_PADDING for row in [header, *rows]) + 10
     fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": top, "b": 10})
+    return fig
+
+
+def logit_figure(title: str, runs: dict[str, Run], colours: dict[str, str] | None = None,
+                 dashes: dict[str, str] | None = None, layer: int = 1) -> go.Figure:
+    """`layer_logit` of each run (log scale), in its colour and dash where `colours` / `dashes` name one (the
+    template's distinct colours otherwise), with the runaway threshold."""
+    fig = new_figure(title, "step", f"largest logit of layer index {layer} (over heads and sampled rows)",
+                     yaxis_type="log")
+    for name, run in runs.items():
+        steps, largest = layer_logit(run, layer)
+        line = {key: given[name] for key, given in (("color", colours), ("dash", dashes))
+                if given and name in given}
+        fig.add_scatter(x=steps, y=largest, mode="lines", name=name, line=line)
+    fig.add_hline(y=RUNAWAY_LOGIT, line_dash="dot", line_color="grey")
+    fig.add_annotation(text="runaway threshold", x=1, xref="paper", xanchor="right",
+                       y=math.log10(RUNAWAY_LOGIT),  # on a log axis, an annotation's y is log10 of its value
+                       yanchor="bottom", showarrow=False)
+    return fig
+
+
+def survival_figure(title: str, curves: dict[str, list[tuple[int, float]]], horizon: int) -> go.Figure:
+    """Kaplan-Meier curves (`analysis.kaplan_meier`: [(step, S)]), one per arm, as steps to `horizon`."""
+    fig = new_figure(title, "step", "share of runs without the event (Kaplan-Meier)", yaxis_range=[0, 1.05])
+    for name, curve in curves.items():
+        fig.add_scatter(x=[t for t, _ in curve] + [horizon], y=[s for _, s in curve] + [curve[-1][1]],
+                        mode="lines", line_shape="hv", name=name)
     return fig

@@ -1,0 +1,179 @@
+"""Reading run and criterion records (lowprec.analysis, runs.load_experiment, viz.plots.logit_figure) on
+small synthetic records with known answers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lowprec import analysis
+from lowprec.runs import RunWriter, load_experiment, load_run
+from lowprec.viz.plots import logit_figure, survival_figure
+
+CONFIG = {"warmup_iters": 0, "seed": 1, "batch_size": 4, "grad_accum": 2, "lr": 2e-3, "min_lr": 1e-5,
+          "data": "/data/gpt2-english+code", "model": {"n_layer": 2, "n_embd": 8, "block_size": 16}}
+
+
+def logits(step: int) -> list[list[float]]:
+    """Layer 0 flat at 10; layer index 1: head 0 flat, head 1 past 1e3 from step 2,000, head 2 at 30 from
+    1,500 and past 1e3 from 2,500."""
+    head2 = 10.0 if step < 1500 else 30.0 if step < 2500 else 2e3
+    return [[10.0, 10.0, 10.0], [10.0, 10.0 if step < 2000 else 2e3, head2]]
+
+
+def norms(step: int, grown: float) -> list[list[float]]:
+    """Every head at 1; head 1 of layer index 1 at `grown` from step 1,250."""
+    return [[1.0] * 3, [1.0, 1.0 if step < 1250 else grown, 1.0]]
+
+
+def write_run(path: Path, last: int = 2650, spike_from: int = 2600, diverged: int | None = 2650,
+              logit=logits, loss_shift: float = 0.0, config: dict | None = None) -> Path:
+    """A run logging its loss every 10 steps (3 nats, 10 from `spike_from`) and telemetry every 50, ending at
+    step `last` (by the stop rule where `diverged` is set)."""
+    writer = RunWriter(path, config or CONFIG)
+    for step in range(0, last + 1, 10):
+        loss = (3.0 if step < spike_from else 10.0) + loss_shift * (step >= 40)
+        row = {"step": step, "tokens": step, "loss": loss, "lr": 1.0, "grad_norm": 1.0, "time_s": 1.0}
+        if step % 50 == 0:
+            row["telemetry"] = {"max_logit": logit(step), "wq_norm": norms(step, 2.0),
+                                "wk_norm": norms(step, 3.0)}
+        writer.log(row)
+    status = {"status": "diverged", "diverged_step": diverged} if diverged else {"status": "finished"}
+    writer.update_summary(steps=last if diverged else last + 1, **status)
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return load_run(write_run(tmp_path_factory.mktemp("run") / "a"))
+
+
+def test_onsets(run) -> None:
+    assert analysis.first_over(run) == {1: 2000, 2: 2500}
+    assert analysis.first_over(run, layer=0) == {}
+    assert analysis.runaway_step(run) == 2000 and analysis.runaway_step(run, layer=0) is None
+    assert analysis.runaway_step(run, threshold=20.0) == 1500  # head 2 at 30
+    assert analysis.first_layer(run) == 1
+    steps, largest = analysis.layer_logit(run)
+    assert steps[:2] == [0, 50] and largest[steps.index(1500)] == 30.0 and largest[-1] == 2e3
+    assert analysis.largest_logit(run) == 2e3
+    assert analysis.head_series(run, "max_logit", 1, 2)[steps.index(1500)] == 30.0
+
+
+def test_first_layer_takes_the_lowest_of_one_sample(tmp_path) -> None:
+    both = load_run(write_run(tmp_path / "both", logit=lambda s: [[2e3 if s >= 1000 else 1.0] * 3] * 2))
+    first0 = load_run(write_run(tmp_path / "zero",
+                                logit=lambda s: [[2e3 if s >= 500 else 1.0] * 3, logits(s)[1]]))
+    none = load_run(write_run(tmp_path / "none", logit=lambda s: [[1.0] * 3] * 2))
+    assert analysis.first_layer(both) == 0 and analysis.first_layer(first0) == 0
+    assert analysis.first_layer(none) is None and analysis.runaway_step(none) is None
+
+
+def test_growth(run) -> None:
+    assert analysis.window_growth([0, 1, 2, 3], [1.0, 3.0, 4.0, 12.0], early=(0, 2), late=(2, 4)) == 4.0
+    assert analysis.slow_growth(run) == pytest.approx(200.0)  # 10 -> 2,000
+    assert analysis.head_growth(run, "max_logit", 2, late=(1500, 2000)) == pytest.approx(3.0)
+    assert analysis.head_growth(run, "max_logit", 0) == pytest.approx(1.0)
+    assert analysis.fastest_head(run) == 1  # 200x; head 2: the median of 30 and 2,000, /10
+    assert analysis.norm_growth_before(run) == pytest.approx({"wq_norm": 2.0, "wk_norm": 3.0})
+    flat = load_run(write_run(run.path.parent / "flat", logit=lambda s: [[1.0] * 3] * 2))
+    with pytest.raises(ValueError, match="no runaway"):
+        analysis.norm_growth_before(flat)
+
+
+def test_losses_and_events(run, tmp_path) -> None:
+    steps, smooth = analysis.smoothed_loss(run, window=5)
+    assert steps[0] == 40 and smooth[0] == 3.0 and smooth[steps.index(2600)] == pytest.approx(4.4)
+    assert analysis.mean_loss(run, 2590, 2620) == pytest.approx((3.0 + 10.0 + 10.0) / 3)
+    assert analysis.outcomes(run) == {"runaway": 2000, "spike": 2600, "explosion": 2650, "steps": 2650}
+    calm = load_run(write_run(tmp_path / "calm", last=2990, spike_from=10**6, diverged=None))
+    assert analysis.outcomes(calm) == {"runaway": 2000, "spike": None, "explosion": None, "steps": 2991}
+    assert analysis.first_difference(run, calm) == 2600 and analysis.first_difference(run, run) is None
+    shifted = load_run(write_run(tmp_path / "shifted", loss_shift=0.5))
+    assert analysis.first_difference(shifted, run) == 40
+
+
+def test_recipe() -> None:
+    assert analysis.recipe(CONFIG) == {"model": "2x8", "tokens_per_step": 128, "corpus": "gpt2-english+code",
+                                       "lr": 2e-3, "schedule": "cosine"}
+    assert analysis.recipe({**CONFIG, "min_lr": 2e-3})["schedule"] == "constant"
+
+
+def test_load_experiment(tmp_path) -> None:
+    write_run(tmp_path / "exp" / "a-s1")
+    write_run(tmp_path / "exp" / "b-s2", config={**CONFIG, "seed": 2})
+    write_run(tmp_path / "exp" / "a-s1" / "replay-from-100")  # a replay inside a run is not a run
+    (tmp_path / "exp" / "a-s1" / "replay-from-100" / "replay.json").write_text("{}")
+    (tmp_path / "exp" / "bias-noise").mkdir()
+    runs = load_experiment(tmp_path / "exp")
+    assert list(runs) == ["a-s1", "b-s2"] and runs["a-s1"].summary["diverged_step"] == 2650
+    named = load_experiment(tmp_path / "exp", name=lambda config: f"x-s{config['seed']}")
+    assert list(named) == ["x-s1", "x-s2"] and named["x-s2"].path.name == "b-s2"
+
+
+def test_load_experiment_refuses_two_runs_of_one_name_and_an_empty_folder(tmp_path) -> None:
+    write_run(tmp_path / "a")
+    write_run(tmp_path / "b")
+    with pytest.raises(ValueError, match="two runs named 'x'"):
+        load_experiment(tmp_path, name=lambda config: "x")
+    assert list(load_experiment(tmp_path / "a")) == ["a"]  # a folder that is itself one run
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no run"):
+        load_experiment(tmp_path / "empty")
+
+
+def head(t: float, biased: bool = False, norm: float = 0.0) -> dict:
+    return {"t": t, "biased": biased, "norm_error_t": norm}
+
+
+def write_criterion(folder: Path, name: str, step: int, t: float, batches: int = 32) -> None:
+    """A criterion record of two layers x two heads: layer index 1 head 0 at `t` (biased from 4), the rest at
+    1 (W_Q) and 2 (W_K)."""
+    heads = [[head(1.0), head(1.0)], [head(t, t >= 4, norm=-t), head(1.0)]]
+    heads_k = [[head(2.0), head(2.0)], [head(2.0), head(2.0)]]
+    record = {"batches": batches, "tokens_per_batch": 8192, "checkpoints": [
+        {"step": step, "sources": [[{"dominant_rows": 0.0}] * 2] * 2,
+         "specs": {"triton/precision=fa2": {"heads": heads, "heads_k": heads_k},
+                   "triton/precision=paper": {"heads": heads_k, "heads_k": heads}}}]}
+    (folder / "bias-noise").mkdir(parents=True, exist_ok=True)
+    (folder / "bias-noise" / f"{name}-step{step}.json").write_text(json.dumps(record))
+
+
+def test_criterion_records(tmp_path) -> None:
+    for step, t in ((1000, 2.0), (2000, 6.0)):
+        write_criterion(tmp_path, "r-s1", step, t)
+    write_criterion(tmp_path, "r-s1", 3000, 1.0, batches=8)
+    with pytest.raises(ValueError, match="spec"):
+        analysis.criterion(tmp_path, "r-s1", 1000)  # two specs: name one
+    with pytest.raises(ValueError, match="8 batches"):
+        analysis.criterion(tmp_path, "r-s1", 3000, "triton/precision=fa2")
+    records = [analysis.criterion(tmp_path, "r-s1", step, "triton/precision=fa2") for step in (1000, 2000)]
+    assert records[1]["sources"][1][0] == {"dominant_rows": 0.0}
+    assert analysis.biased_heads(records[0]["heads"]) == []
+    assert analysis.biased_heads(records[1]["heads"]) == [(1, 0)]
+    z = analysis.combined_z(records)
+    assert z.shape == (2, 2) and z[1, 0].item() == pytest.approx(8 / 2**0.5)
+    assert z[0, 0].item() == pytest.approx(2**0.5)
+    assert analysis.combined_z(records, "heads_k")[1, 0].item() == pytest.approx(4 / 2**0.5)
+    assert analysis.combined_z(records, key="norm_error_t")[1, 0].item() == pytest.approx(-8 / 2**0.5)
+    assert analysis.layer_t2(records) == pytest.approx([1.0, (4 + 36 + 1 + 1) / 4])
+    assert analysis.layer_t2(records, "heads_k") == pytest.approx([4.0, 4.0])
+    torch.testing.assert_close(analysis.head_t(records[1]["heads"]), torch.tensor([[1.0, 1.0], [6.0, 1.0]],
+                                                                                    dtype=torch.float64))
+    paper = analysis.criterion(tmp_path, "r-s1", 2000, "triton/precision=paper")
+    assert analysis.biased_heads(paper["heads"]) == []
+
+
+def test_figures(run) -> None:
+    fig = logit_figure("title", {"a": run, "b": run}, colours={"a": "#d62728"}, dashes={"b": "dot"})
+    assert [trace.name for trace in fig.data] == ["a", "b"] and fig.layout.yaxis.type == "log"
+    assert fig.data[0].line.color == "#d62728" and fig.data[1].line.color is None
+    assert fig.data[1].line.dash == "dot"
+    assert fig.layout.xaxis.title.text == "step" and "logit" in fig.layout.yaxis.title.text
+    curves = {"fa2": [(0, 1.0), (100, 0.5)], "other": [(0, 1.0)]}
+    km = survival_figure("survival", curves, horizon=800)
+    assert list(km.data[0].x) == [0, 100, 800] and list(km.data[0].y) == [1.0, 0.5, 0.5]
+    assert list(km.data[1].x) == [0, 800] and km.data[1].line.shape == "hv"
