@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from lowprec import analysis
-from lowprec.runs import RunWriter, load_experiment, load_run
+from lowprec.runs import RunWriter, experiments, load_experiment, load_run
 from lowprec.viz.plots import logit_figure, survival_figure
 
 CONFIG = {"warmup_iters": 0, "seed": 1, "batch_size": 4, "grad_accum": 2, "lr": 2e-3, "min_lr": 1e-5,
+          "lr_decay_iters": 30000,
           "data": "/data/gpt2-english+code", "model": {"n_layer": 2, "n_embd": 8, "block_size": 16}}
 
 
@@ -96,10 +97,16 @@ def test_losses_and_events(run, tmp_path) -> None:
     assert analysis.first_difference(shifted, run) == 40
 
 
-def test_recipe() -> None:
-    assert analysis.recipe(CONFIG) == {"model": "2x8", "tokens_per_step": 128, "corpus": "gpt2-english+code",
-                                       "lr": 2e-3, "schedule": "cosine"}
-    assert analysis.recipe({**CONFIG, "min_lr": 2e-3})["schedule"] == "constant"
+def test_recipe(run, tmp_path) -> None:
+    assert analysis.recipe(run) == {"model": "2x8", "tokens_per_step": 128, "corpus": "gpt2-english+code",
+                                    "lr": 2e-3, "decay_steps": 30000}
+    writer = RunWriter(tmp_path, {**CONFIG, "data": "", "min_lr": 2e-3})  # the corpus: its start event
+    writer.event("start", 0, data="/somewhere/gpt2-permissive")
+    writer.log({"step": 0, "tokens": 0, "loss": 3.0, "lr": 1.0, "grad_norm": 1.0, "time_s": 1.0})
+    writer.update_summary(status="finished", steps=1)
+    writer.close()
+    assert analysis.recipe(load_run(tmp_path)) == {"model": "2x8", "tokens_per_step": 128, "corpus":
+                                                   "gpt2-permissive", "lr": 2e-3, "decay_steps": None}
 
 
 def test_load_experiment(tmp_path) -> None:
@@ -177,3 +184,11 @@ def test_figures(run) -> None:
     km = survival_figure("survival", curves, horizon=800)
     assert list(km.data[0].x) == [0, 100, 800] and list(km.data[0].y) == [1.0, 0.5, 0.5]
     assert list(km.data[1].x) == [0, 800] and km.data[1].line.shape == "hv"
+
+
+def test_experiments_lists_folders_that_hold_runs(tmp_path) -> None:
+    write_run(tmp_path / "exp" / "a-s1")
+    write_run(tmp_path / "single")
+    (tmp_path / "queue-only").mkdir()
+    (tmp_path / "queue-only" / "queue.json").write_text("{}")
+    assert [folder.name for folder in experiments(tmp_path)] == ["exp", "single"]

@@ -176,14 +176,16 @@ def outcomes(run: Run) -> dict:
             "explosion": run.summary.get("diverged_step"), "steps": run.summary.get("steps")}
 
 
-def recipe(config: dict) -> dict:
+def recipe(run: Run) -> dict:
     """What experiments differ in: the model (layers x width), tokens per step, the corpus (its folder's
-    name), the peak learning rate and its schedule (constant, or a cosine decay)."""
-    model = config["model"]
+    name; the start event's where the config left it to the default), the peak learning rate and the steps
+    of its cosine decay (None: constant)."""
+    config, model = run.config, run.config["model"]
+    data = config.get("data") or run.events_of("start")[0]["data"]
     return {"model": f"{model['n_layer']}x{model['n_embd']}",
             "tokens_per_step": config["batch_size"] * config["grad_accum"] * model["block_size"],
-            "corpus": Path(config["data"]).name, "lr": config["lr"],
-            "schedule": "constant" if config["min_lr"] == config["lr"] else "cosine"}
+            "corpus": Path(data).name, "lr": config["lr"],
+            "decay_steps": None if config["min_lr"] == config["lr"] else config["lr_decay_iters"]}
 
 
 # ---- growth of the logits before a runaway ----

@@ -598,6 +598,12 @@ def list_runs(root: str | Path) -> list[dict]:
     return runs
 
 
+def experiments(root: str | Path) -> list[Path]:
+    """The experiment folders directly under `root` (sorted): each a run folder or a folder of run folders."""
+    return sorted(folder for folder in Path(root).iterdir() if folder.is_dir() and any(
+        (run / "config.json").exists() for run in (folder, *(d for d in folder.iterdir() if d.is_dir()))))
+
+
 def load_experiment(folder: str | Path, name: Callable[[dict], str] | None = None) -> dict[str, Run]:
     """The training runs of one experiment folder (each run folder directly inside it, or the folder itself
     where it is one run), loaded, by `name(config)` (default: the folder's name); replays kept inside a run

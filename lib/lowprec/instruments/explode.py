@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from lowprec.analysis import format_runs, run_summary
 from lowprec.attention import AttentionSpec, Fix, Precision
+from lowprec.attention.precision import POINTS
 from lowprec.attention.spec import backends_with
 from lowprec.checks import option
 from lowprec.configs import CONFIGS, get_config
@@ -97,6 +98,15 @@ def arm_of(spec: AttentionSpec | str, dtype: str = "bfloat16") -> str:
 
 def run_name(arm: str, seed: int) -> str:
     return f"{arm}-s{seed}"
+
+
+def rounded_points(attention: str) -> frozenset[str]:
+    """The rounding points (scores, weights, rowsum, product, accumulator, output) an attention spec rounds
+    (none for a spec without a Precision, such as `math/dtype=float32`)."""
+    precision = AttentionSpec.parse(attention).precision
+    if precision is None:
+        return frozenset()
+    return frozenset(point for point in POINTS if str(getattr(precision, point)) != "none")
 
 
 def record_name(config: dict) -> str:
