@@ -93,6 +93,11 @@ def test_losses_and_events(run, tmp_path) -> None:
     calm = load_run(write_run(tmp_path / "calm", last=2990, spike_from=10**6, diverged=None))
     assert analysis.outcomes(calm) == {"runaway": 2000, "spike": None, "explosion": None, "steps": 2991}
     assert analysis.first_difference(run, calm) == 2600 and analysis.first_difference(run, run) is None
+    cut = RunWriter(tmp_path / "cut", CONFIG)  # a record cut off while running: no steps in its summary
+    cut.log({"step": 0, "tokens": 0, "loss": 3.0, "lr": 1.0, "grad_norm": 1.0, "time_s": 1.0,
+             "telemetry": {"max_logit": logits(0)}})
+    cut.close()
+    assert analysis.outcomes(load_run(tmp_path / "cut"))["steps"] == 1
     shifted = load_run(write_run(tmp_path / "shifted", loss_shift=0.5))
     assert analysis.first_difference(shifted, run) == 40
 

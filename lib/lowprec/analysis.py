@@ -171,9 +171,12 @@ def first_difference(run: Run, other: Run) -> int | None:
 
 def outcomes(run: Run) -> dict:
     """A run's three events and its length: the runaway (`runaway_step`, layer index 1), the spike
-    (`loss_spike`), the explosion (the trainer's stop rule, from its summary) and the steps it reached."""
+    (`loss_spike`), the explosion (the trainer's stop rule, from its summary) and the steps it reached (from
+    its summary, or after its last logged step where the record was cut off while running)."""
+    steps = run.summary.get("steps")
     return {"runaway": runaway_step(run), "spike": loss_spike(run)["spike_step"],
-            "explosion": run.summary.get("diverged_step"), "steps": run.summary.get("steps")}
+            "explosion": run.summary.get("diverged_step"),
+            "steps": steps if steps is not None else run.metrics[-1]["step"] + 1}
 
 
 def recipe(run: Run) -> dict:
