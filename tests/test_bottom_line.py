@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from lowprec.analysis import runaway_step, wilson
 from lowprec.runs import load_run
-from lowprec.viz.bottom_line import RESULTS, StaleClaim, bottom_line
+from lowprec.viz.bottom_line import RESULTS, STUDY, StaleClaim, bias_noise_sources, bottom_line, hunt_records
 
 HEADS = ("**What fails.**", "**Why, as far as the records show.**", "**What to change.**", "**Untested.**",
          "**Where each is shown.**")
@@ -54,7 +54,8 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     assert stated(*rowsum, "runs") in lines[1] and stated(*fp32pv, "runs") in lines[1]
     big = [load_run(EXPLODE / f) for f in ("bigbatch/paper64-s1337", "bigbatch-fa2/fa2-s1337")]
     steps = [f"{s:,}" for s in (*(runaway_step(r) for r in big), *(r.summary["diverged_step"] for r in big))]
-    assert f"runaway at steps {steps[0]} and {steps[1]}, the stop rule at {steps[2]} and {steps[3]}" in lines[0]
+    stated_steps = f"runaway at steps {steps[0]} and {steps[1]}, the stop rule at {steps[2]} and {steps[3]}"
+    assert stated_steps in lines[0]
     queue = json.loads((EXPLODE / "lr-qknorm" / "queue.json").read_text())
     assert f"0 of the {len(queue['runs'])} runs" in lines[3]
 
@@ -87,3 +88,12 @@ def test_a_contradicting_record_raises(tmp_path: Path) -> None:
         EXPLODE / "survival" / "fa2-s1")
     with pytest.raises(StaleClaim, match="learning-rate"):
         bottom_line(results)
+
+
+def test_hunt_records_and_their_bias_noise_sources() -> None:
+    records = hunt_records()
+    assert "lead-s1337/paper-s1337" in records and not any(name.split("/")[0] in STUDY for name in records)
+    assert not any("replay" in name for name in records)
+    sources = bias_noise_sources()
+    assert ("paper64-s1337", 2000) in sources and ("fa2-s1", 2000) in sources
+    assert all(len(heads) == 6 and "mean_key_cos" in heads[0] for heads in sources.values())

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from lowprec.analysis import RUNAWAY_LOGIT, loss_spike, outcome, wilson
 from lowprec.instruments.explode import arm_of
-from lowprec.runs import REPO, RunRecordError, load_run
+from lowprec.runs import REPO, Run, RunRecordError, list_runs, load_run
 
 RESULTS = REPO / "results"
+STUDY = ("survival", "lr-qknorm")  # the attribution study's queues (chapter 3 reads them)
 RECIPE = ("gpu-6l", 2e-3)      # the hunt's config and learning rate
 SMALL, LARGE = 32_768, 262_144  # tokens per step
 LEAD, BIG_CORPUS = "", "gpt2-english+code"  # the lead runs' corpus (the default) and the 336M-token one
@@ -83,6 +84,27 @@ def explode_runs(results: Path = RESULTS) -> dict[str, RunFacts]:
             out[str(folder.relative_to(root))] = facts(folder, str(folder.relative_to(root)))
         except RunRecordError:
             continue  # a lost run (no record) says nothing
+    return out
+
+
+def hunt_records(results: Path = RESULTS) -> dict[str, Run]:
+    """Every run of the explosion hunt by its folder under results/explode/: no replay (it repeats steps of a
+    run listed here) and none of the attribution study's queues."""
+    root = Path(results) / "explode"
+    return {str(Path(r["path"]).relative_to(root)): load_run(r["path"]) for r in list_runs(root)
+            if not (Path(r["path"]) / "replay.json").exists() and Path(r["path"]).relative_to(root).parts[0]
+            not in STUDY}
+
+
+def bias_noise_sources(results: Path = RESULTS, layer: int = 1) -> dict[tuple[str, int], list[dict]]:
+    """The sources of each head's mean rank-1 term M in `layer`, per (run, checkpoint step), from the
+    bias-to-noise records of the lead's kept checkpoints (leadck, lead-s2, lead-fa2-s1; run names
+    "<arm>-s<seed>")."""
+    out = {}
+    for folder, seed in (("leadck", "-s1337"), ("lead-s2", ""), ("lead-fa2-s1", "")):  # leadck: no seed
+        for path in sorted((Path(results) / "explode" / folder / "bias-noise").glob("*.json")):
+            for checkpoint in json.loads(path.read_text())["checkpoints"]:
+                out[path.stem.rsplit("-step", 1)[0] + seed, checkpoint["step"]] = checkpoint["sources"][layer]
     return out
 
 
