@@ -1,0 +1,99 @@
+"""The book's bottom line (`lowprec.viz.bottom_line`): five lines from the committed records, their numbers
+against an independent count of the run folders, and a results folder that contradicts a claim raises."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from lowprec.analysis import runaway_step, wilson
+from lowprec.runs import load_run
+from lowprec.viz.bottom_line import RESULTS, STUDY, StaleClaim, bias_noise_sources, bottom_line, hunt_records
+
+HEADS = ("**What fails.**", "**Why, as far as the records show.**", "**What to change.**", "**Untested.**",
+         "**Where each is shown.**")
+EXPLODE = RESULTS / "explode"
+
+
+def count(folders: list[str]) -> tuple[int, int]:
+    """(runs whose layer index 1 passed 1e3, runs), read folder by folder."""
+    return sum(runaway_step(load_run(EXPLODE / f)) is not None for f in folders), len(folders)
+
+
+def stated(k: int, n: int, noun: str) -> str:
+    lo, hi = wilson(k, n)
+    return f"{k} of {n} {noun} (95% CI {100 * lo:.0f}-{100 * hi:.0f}%)"
+
+
+@pytest.fixture(scope="module")
+def lines() -> list[str]:
+    return bottom_line().split("\n\n")
+
+
+def test_five_lines_in_order(lines: list[str]) -> None:
+    assert len(lines) == 5 and all(line.startswith(head) for line, head in zip(lines, HEADS, strict=True))
+    for page in re.findall(r"\]\(([\w-]+\.md)\)", lines[4]):
+        assert (RESULTS.parent / "book" / page).exists(), page
+
+
+def test_numbers_match_an_independent_count(lines: list[str]) -> None:
+    paper = count(["lead-s1/paper-s1", "lead-s1337/paper-s1337", "lead-s2/paper64-s2"])
+    fa2 = count(["lead-s1337/fa2-s1337", "lead-s2/fa2-s2", "lead-fa2-s1/fa2-s1"])
+    rowsum = count(["lead-points/bf16rowsum-s1337", "lead-points/bf16rowsum-s1", "rowsum-check/bf16rowsum-s2",
+                    "slow-start/bf16rowsum-s2", "rowsum-more/bf16rowsum-s3", "rowsum-more4/bf16rowsum-s4",
+                    *(f"growing-head/bf16rowsum-s{s}" for s in (5, 6, 7)),
+                    *(f"growing-head2/bf16rowsum-s{s}" for s in (8, 9, 10))])
+    fp32pv = count(["fp32pv-lead/fp32pv-s1337", "fp32pv-lead/fp32pv-s1", "rowsum-check/fp32pv-s2",
+                    "slow-start/fp32pv-s2", "rowsum-more/fp32pv-s3", "growing-head-fp32/fp32pv-s5",
+                    "growing-head2-fp32/fp32pv-s8"])
+    assert (paper, fa2, rowsum, fp32pv) == ((3, 3), (1, 3), (7, 12), (0, 7))
+    assert stated(*paper, "seeds") in lines[0] and stated(*fa2, "seeds") in lines[0]
+    assert stated(*rowsum, "runs") in lines[1] and stated(*fp32pv, "runs") in lines[1]
+    big = [load_run(EXPLODE / f) for f in ("bigbatch/paper64-s1337", "bigbatch-fa2/fa2-s1337")]
+    steps = [f"{s:,}" for s in (*(runaway_step(r) for r in big), *(r.summary["diverged_step"] for r in big))]
+    stated_steps = f"runaway at steps {steps[0]} and {steps[1]}, the stop rule at {steps[2]} and {steps[3]}"
+    assert stated_steps in lines[0]
+    queue = json.loads((EXPLODE / "lr-qknorm" / "queue.json").read_text())
+    assert f"0 of the {len(queue['runs'])} runs" in lines[3]
+
+
+def synthetic(tmp_path: Path) -> Path:
+    """A results folder that links every committed experiment and copies what a test changes."""
+    results = tmp_path / "results"
+    (results / "explode").mkdir(parents=True)
+    (results / "train").mkdir()
+    for item in EXPLODE.iterdir():
+        if item.name != "lr-qknorm":
+            (results / "explode" / item.name).symlink_to(item)
+    shutil.copytree(EXPLODE / "lr-qknorm", results / "explode" / "lr-qknorm")
+    shutil.copy(RESULTS / "train" / "reproducibility.json", results / "train")
+    return results
+
+
+def test_a_contradicting_record_raises(tmp_path: Path) -> None:
+    results = synthetic(tmp_path)
+    record = results / "train" / "reproducibility.json"
+    repro = json.loads(record.read_text())
+    repro["twins"]["default"]["identical_weights"] = True  # default-mode twins that agree: the claim is stale
+    record.write_text(json.dumps(repro))
+    with pytest.raises(StaleClaim, match="default-mode twins"):
+        bottom_line(results)
+    shutil.copy(RESULTS / "train" / "reproducibility.json", record)
+    queue = json.loads((results / "explode" / "lr-qknorm" / "queue.json").read_text())
+    first = queue["runs"][0]  # a done run of the learning-rate study: "0 done" is stale
+    (results / "explode" / "lr-qknorm" / f"{first['arm']}-{first['tag']}-s{first['seed']}").symlink_to(
+        EXPLODE / "survival" / "fa2-s1")
+    with pytest.raises(StaleClaim, match="learning-rate"):
+        bottom_line(results)
+
+
+def test_hunt_records_and_their_bias_noise_sources() -> None:
+    records = hunt_records()
+    assert "lead-s1337/paper-s1337" in records and not any(name.split("/")[0] in STUDY for name in records)
+    assert not any("replay" in name for name in records)
+    sources = bias_noise_sources()
+    assert ("paper64-s1337", 2000) in sources and ("fa2-s1", 2000) in sources
+    assert all(len(heads) == 6 and "mean_key_cos" in heads[0] for heads in sources.values())
