@@ -21,7 +21,7 @@ from lowprec.instruments.control import ControlConfig
 from lowprec.instruments.cures import SCALE
 from lowprec.instruments.positive_control import train_grid
 from lowprec.runs import load_run
-from lowprec.viz.control_explorer import cached_arm, control_twin
+from lowprec.viz.control_explorer import cached_treatment, control_twin
 from lowprec.viz.precision_explorer import (
     TWIN_PRECISIONS,
     Setting,
@@ -247,18 +247,19 @@ def test_run_twin_thins_long_runs_and_keeps_their_ends() -> None:
 
 
 def test_control_twin() -> None:
-    fig = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4)
+    fig = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), treatments=("lowp", "fix"), steps=4)
     check_twin(fig, menu_entries=2, slider_steps=2)
     # longer runs of a configuration stand in for training at its V mean, and only there: the same figure
     default, edge = ControlConfig(steps=6), ControlConfig(steps=6, v_mean=-1.0)
     longer = train_grid(default, ("fa2",), ("lowp", "fix"), ("adam", "sgd"), False)["runs"]
     at_edge = train_grid(edge, ("fa2",), ("fix",), ("sgd",), False)["runs"]
     other = {"fa2/adam/fix": longer["fa2/adam/fix"]}  # stored under a config the twin does not show
-    cached_arm.cache_clear()
-    reused = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), arms=("lowp", "fix"), steps=4,
+    cached_treatment.cache_clear()
+    reused = control_twin(v_means=(-1.5, -1.0), optimizers=("adam", "sgd"), treatments=("lowp", "fix"),
+                          steps=4,
                           trained={default: {key: run for key, run in longer.items() if "lowp" in key},
                                    edge: at_edge, replace(default, bias_weight=2.0): other})
-    assert reused.to_json() == fig.to_json() and cached_arm.cache_info().misses == 5  # 8 runs, 3 reused
+    assert reused.to_json() == fig.to_json() and cached_treatment.cache_info().misses == 5  # 8 runs, 3 reused
 
 
 # Each live panel, all in one kernel: build it small, remember its text and figure, change one control,
@@ -328,16 +329,16 @@ def test_control_twin_menu_of_settings_reads_records_of_each() -> None:
     from lowprec.viz.panels import sig
 
     settings = (("adam", {}), ("adam", {"bias_weight": 2.0}))
-    fig = control_twin(v_means=(-1.5, -1.0), arms=("lowp",), steps=4, settings=settings)
+    fig = control_twin(v_means=(-1.5, -1.0), treatments=("lowp",), steps=4, settings=settings)
     check_twin(fig, menu_entries=2, slider_steps=2)
     assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["adam", "adam, bias weight 2"]
-    heavier = cached_arm(ControlConfig(steps=4, bias_weight=2.0), "fa2", "lowp", "adam")["series"]
+    heavier = cached_treatment(ControlConfig(steps=4, bias_weight=2.0), "fa2", "lowp", "adam")["series"]
     assert list(fig.data[2].y) == sig(heavier["w_r"]) != list(fig.data[0].y)  # drift of the second entry
     series = {"w_r": [1.0, 2.0, 3.0, 4.0, 5.0], "task_hp": [1.0] * 5, "task_ceiling": [2.0] * 5}
     short = {"series": {name: values[:3] for name, values in series.items()}}  # too short: trained instead
     for run, expected in (({"series": series}, [1.0, 2.0, 3.0, 4.0]), (short, sig(heavier["w_r"]))):
         recorded = {ControlConfig(steps=9, bias_weight=2.0): {"fa2/adam/lowp": run}}
-        shown = control_twin(v_means=(-1.5, -1.0), arms=("lowp",), steps=4, settings=settings,
+        shown = control_twin(v_means=(-1.5, -1.0), treatments=("lowp",), steps=4, settings=settings,
                              trained=recorded)
         assert list(shown.data[2].y) == expected and list(shown.data[0].y) == list(fig.data[0].y)
 

@@ -61,11 +61,11 @@ EXPLORERS = {
     ),
     "04-mechanism.md": Explorer(
         ("viz.setup()", "control_explorer()"),
-        (("select", "placement", "paper"), ("select", "arm", "Fix")),
+        (("select", "placement", "paper"), ("select", "treatment", "Fix")),
     ),
     "05-fix.md": Explorer(
         ("viz.setup()", 'control_explorer(cure="consistent")'),
-        (("select", "cure", "Fix"), ("select", "cure", "none: the arm")),
+        (("select", "cure", "Fix"), ("select", "cure", "none: the treatment")),
     ),
 }
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowprec.analysis import RUNAWAY_LOGIT, loss_spike, outcome, wilson
+from lowprec.analysis import first_layer, outcome, outcomes, recipe, wilson
 from lowprec.instruments.explode import arm_of
 from lowprec.runs import REPO, Run, RunRecordError, list_runs, load_run
 
@@ -22,7 +22,7 @@ RESULTS = REPO / "results"
 STUDY = ("survival", "lr-qknorm")  # the attribution study's queues (chapter 3 reads them)
 RECIPE = ("gpu-6l", 2e-3)      # the hunt's config and learning rate
 SMALL, LARGE = 32_768, 262_144  # tokens per step
-LEAD, BIG_CORPUS = "", "gpt2-english+code"  # the lead runs' corpus (the default) and the 336M-token one
+LEAD, BIG_CORPUS = "gpt2-permissive", "gpt2-english+code"  # the lead runs' 12.4M tokens; the 336M-token one
 MIN_STEPS = 3_500  # a run shorter than this (and not stopped by the explosion rule) has no outcome here
 
 
@@ -57,19 +57,14 @@ class RunFacts:
 
 
 def facts(folder: Path, name: str) -> RunFacts:
-    """The `RunFacts` of one run folder."""
+    """The `RunFacts` of one run folder (`analysis.outcomes`, `analysis.recipe`, `analysis.first_layer`)."""
     run = load_run(folder)
-    c = run.config
-    steps = run.summary.get("steps") or run.series("loss")[0][-1]
-    samples = list(zip(*run.telemetry("max_logit"), strict=True))  # (step, [layer][head])
-    first = next(((step, peaks.index(max(peaks))) for step, sample in samples
-                  if max(peaks := [max(layer) for layer in sample]) > RUNAWAY_LOGIT), (None, None))
-    layer1 = next((step for step, sample in samples if max(sample[1]) > RUNAWAY_LOGIT), None)
-    return RunFacts(name=name, arm=arm_of(c["model"]["attention"], c["dtype"]),
-                    seed=c["seed"], config=c["name"], lr=c["lr"],
-                    tokens_per_step=c["batch_size"] * c["model"]["block_size"] * c["grad_accum"],
-                    corpus=Path(c["data"]).name, steps=steps, runaway=layer1, first_layer=first[1],
-                    spike=loss_spike(run)["spike_step"], explosion=run.summary.get("diverged_step"))
+    events, setting = outcomes(run), recipe(run)
+    return RunFacts(name=name, arm=arm_of(run.config["model"]["attention"], run.config["dtype"]),
+                    seed=run.config["seed"], config=run.config["name"], lr=setting["lr"],
+                    tokens_per_step=setting["tokens_per_step"], corpus=setting["corpus"],
+                    steps=events["steps"], runaway=events["runaway"], first_layer=first_layer(run),
+                    spike=events["spike"], explosion=events["explosion"])
 
 
 @functools.cache

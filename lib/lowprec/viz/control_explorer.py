@@ -1,14 +1,14 @@
-"""The explorers of the positive control (`lowprec.instruments.positive_control`, chapters 4 and 5): train
-W_Q in one arm, or with one of chapter 5's cures (`lowprec.instruments.cures.CURES`), and watch its drift
+"""The explorers of the positive control (`lowprec.instruments.positive_control`, chapters 4 and 5): train W_Q
+in one treatment, or with one of chapter 5's cures (`lowprec.instruments.cures.CURES`), and watch its drift
 along R, ⟨W − W(0), R⟩, and the head's task loss as a fraction of its ceiling (1: all content attention lost).
 The task is a regression onto a teacher's output, so it has no accuracy; the share of the task lost is its
 measure.
 
-`control_explorer` is the live panel (placement, arm or cure, optimizer, V's mean, the bias weight, the Fix's
-β and the number of steps; about a second per 100 steps, with the float64 reference of the same setting
-beside it); `control_twin` its static twin for chapter 4 (the arms in one figure, a menu for the optimizer
-and the bias weight, a slider for V's mean) and `cure_twin` the one for chapter 5 (a menu for the cure,
-beside fa2 without one; a slider for V's mean). Both twins read recorded runs where they have them
+`control_explorer` is the live panel (placement, treatment or cure, optimizer, V's mean, the bias weight, the
+Fix's β and the number of steps; about a second per 100 steps, with the float64 reference of the same setting
+beside it); `control_twin` its static twin for chapter 4 (the treatments in one figure, a menu for the
+optimizer and the bias weight, a slider for V's mean) and `cure_twin` the one for chapter 5 (a menu for the
+cure, beside fa2 without one; a slider for V's mean). Both twins read recorded runs where they have them
 (`trained`) and train the rest.
 """
 
@@ -26,8 +26,8 @@ from lowprec.instruments.control import FP32_PV, OPTIMIZERS, TREATMENTS, Control
 from lowprec.instruments.cures import CURES, Cure, cure_by_name, train_cure
 from lowprec.viz.panels import LivePanel, add_menu_and_slider, dropdown, sig
 
-ARM_COLOURS = {"lowp": "#d62728", "fix": "#1f77b4", "fp32pv": "#2ca02c", "reference": "#7f7f7f"}
-ARM_NAMES = {"lowp": "no Fix", "fix": "Fix", "fp32pv": "P̄V unrounded", "reference": "float64 reference"}
+TREATMENT_COLOURS = {"lowp": "#d62728", "fix": "#1f77b4", "fp32pv": "#2ca02c", "reference": "#7f7f7f"}
+TREATMENT_NAMES = {"lowp": "no Fix", "fix": "Fix", "fp32pv": "P̄V unrounded", "reference": "float64 reference"}
 CURE_COLOURS = dict(zip((c.name for c in CURES), (  # the first, none (fa2), is the baseline: black
     "#252525", "#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#8c564b",
     "#bcbd22", "#e377c2"), strict=True))
@@ -38,9 +38,9 @@ Trained = Mapping[ControlConfig, Mapping[str, dict]]  # recorded runs: config ->
 
 
 @functools.lru_cache(maxsize=64)
-def cached_arm(cfg: ControlConfig, placement: str, arm: str, optimizer: str) -> dict:
-    """train_treatment, remembered (the reference arm of a setting is shared by every other arm)."""
-    return train_treatment(cfg, placement, arm, optimizer)
+def cached_treatment(cfg: ControlConfig, placement: str, treatment: str, optimizer: str) -> dict:
+    """train_treatment, remembered (the reference treatment of a setting is shared by every other one)."""
+    return train_treatment(cfg, placement, treatment, optimizer)
 
 
 @functools.lru_cache(maxsize=32)
@@ -82,18 +82,19 @@ def summary_line(name: str, run: dict) -> str:
 
 
 def control_explorer(
-    placement: str = "fa2", arm: str = "lowp", optimizer: str = "adam", v_mean: float = -1.5,
+    placement: str = "fa2", treatment: str = "lowp", optimizer: str = "adam", v_mean: float = -1.5,
     bias_weight: float = 1.0, beta: float = 2.0, steps: int = 100, cure: str | None = None,
 ) -> LivePanel:  # fmt: skip
-    """Live panel (needs a kernel): one arm of the positive control, or one cure of CURES (which sets its own
-    precision and Fix, so placement and arm do not apply to it; β sets its Fix's factor), trained here beside
-    the float64 reference of the same setting (about a second per 100 steps)."""
+    """Live panel (needs a kernel): one treatment of the positive control, or one cure of CURES (which sets
+    its own precision and Fix, so placement and treatment do not apply to it; β sets its Fix's factor),
+    trained here beside the float64 reference of the same setting (about a second per 100 steps)."""
     if cure is not None:
         cure_named(cure)  # a ValueError for an unknown name, here rather than in the panel
     boxes = {
         "placement": dropdown("placement", tuple(FP32_PV), placement, width="160px"),
-        "arm": dropdown("arm", [(ARM_NAMES[a], a) for a in TREATMENTS], arm, width="210px"),
-        "cure": dropdown("cure", [("none: the arm", None), *((c.name, c.name) for c in CURES)], cure,
+        "treatment": dropdown("treatment", [(TREATMENT_NAMES[t], t) for t in TREATMENTS], treatment,
+                              width="210px"),
+        "cure": dropdown("cure", [("none: the treatment", None), *((c.name, c.name) for c in CURES)], cure,
                          width="230px"),
         "optimizer": dropdown("optimizer", OPTIMIZERS, optimizer, width="160px"),
         "v_mean": dropdown("V mean", V_MEANS, v_mean, width="150px"),
@@ -105,8 +106,8 @@ def control_explorer(
 
     def compute(v: dict) -> tuple[str, go.Figure]:
         cfg = replace(ControlConfig(), steps=v["steps"], v_mean=v["v_mean"], bias_weight=v["bias_weight"])
-        shown = {"reference": (ARM_NAMES["reference"], ARM_COLOURS["reference"],
-                               cached_arm(cfg, "fa2", "reference", v["optimizer"]))}
+        shown = {"reference": (TREATMENT_NAMES["reference"], TREATMENT_COLOURS["reference"],
+                               cached_treatment(cfg, "fa2", "reference", v["optimizer"]))}
         setting = f"{v['optimizer']}, V mean {v['v_mean']:+g}, bias weight {v['bias_weight']:g}"
         if v["cure"] is not None:
             picked = cure_named(v["cure"], v["beta"])
@@ -115,11 +116,12 @@ def control_explorer(
             shown = {"cure": (picked.name, CURE_COLOURS[v["cure"]], cached_cure(cfg, picked, v["optimizer"])),
                      **shown}
         else:
-            title = f"{v['placement']}, {setting}" + (f", β = {v['beta']:g}" if v["arm"] == "fix" else "")
-            if v["arm"] != "reference":
-                run = cached_arm(replace(cfg, beta=v["beta"]) if v["arm"] == "fix" else cfg, v["placement"],
-                                 v["arm"], v["optimizer"])
-                shown = {v["arm"]: (ARM_NAMES[v["arm"]], ARM_COLOURS[v["arm"]], run), **shown}
+            treatment = v["treatment"]
+            title = f"{v['placement']}, {setting}" + (f", β = {v['beta']:g}" if treatment == "fix" else "")
+            if treatment != "reference":
+                trained_cfg = replace(cfg, beta=v["beta"]) if treatment == "fix" else cfg
+                run = cached_treatment(trained_cfg, v["placement"], treatment, v["optimizer"])
+                shown = {treatment: (TREATMENT_NAMES[treatment], TREATMENT_COLOURS[treatment], run), **shown}
         fig = _frame(title, "drift along R and the task lost, per step")
         for key, (name, colour, run) in shown.items():
             drift, lost = curves(run)
@@ -129,16 +131,17 @@ def control_explorer(
             fig.add_scatter(x=x, y=lost, name=name, showlegend=False, **style, row=1, col=2)
         return "\n".join(summary_line(name, run) for name, _, run in shown.values()), fig
 
-    note = ("the arm or cure trains here from W_Q(0) on the control's data stream; grey: float64 attention "
-            "alike; a cure sets its own precision and Fix (placement and arm then do not apply)")
+    note = ("the treatment or cure trains here from W_Q(0) on the control's data stream; grey: float64 "
+            "attention alike; a cure sets its own precision and Fix (placement and treatment then do not "
+            "apply)")
     return LivePanel(boxes, compute, note)
 
 
 def recorded_or_trained(cfg: ControlConfig, key: str, trained: Trained | None) -> dict:
-    """The run `key` ("<placement>/<optimizer>/<arm>" or "cure/<optimizer>/<cure name>", as in the records of
-    `lowprec experiment positive-control --series`) of `cfg`: the first cfg.steps steps of a run in `trained`
-    whose config is cfg apart from its length (no step depends on cfg.steps, so they are the same run), or
-    trained here (remembered) if none is at least that long."""
+    """The run `key` ("<placement>/<optimizer>/<treatment>" or "cure/<optimizer>/<cure name>", as in the
+    records of `lowprec experiment positive-control --series`) of `cfg`: the first cfg.steps steps of a run in
+    `trained` whose config is cfg apart from its length (no step depends on cfg.steps, so they are the same
+    run), or trained here (remembered) if none is at least that long."""
     done = next((runs.get(key) for config, runs in (trained or {}).items()
                  if replace(config, steps=cfg.steps) == cfg), None)
     if done is not None and len(done["series"]["w_r"]) >= cfg.steps:
@@ -146,7 +149,7 @@ def recorded_or_trained(cfg: ControlConfig, key: str, trained: Trained | None) -
     placement, optimizer, name = key.split("/", 2)
     if placement == "cure":
         return cached_cure(cfg, cure_by_name(name), optimizer)
-    return cached_arm(cfg, "fa2" if placement == "fp64" else placement, name, optimizer)
+    return cached_treatment(cfg, "fa2" if placement == "fp64" else placement, name, optimizer)
 
 
 Line = tuple[str, str, Callable[[float], dict]]  # (legend name, colour, V mean -> run)
@@ -178,16 +181,16 @@ def _menu_slider_twin(fig: go.Figure, groups: Mapping[str, Sequence[Line]], v_me
 def control_twin(
     v_means: tuple[float, ...] = (-1.5, -1.0),
     optimizers: tuple[str, ...] = OPTIMIZERS,
-    arms: tuple[str, ...] = ("lowp", "fix", "fp32pv"),
+    treatments: tuple[str, ...] = ("lowp", "fix", "fp32pv"),
     steps: int = 150,
     placement: str = "fa2",
     cfg: ControlConfig | None = None,
     trained: Trained | None = None,
     settings: Sequence[tuple[str, Mapping[str, float]]] | None = None,
 ) -> go.Figure:
-    """The explorer for a page without a kernel: every arm in one figure, a menu entry per setting, a slider
-    for V's mean. A setting is (optimizer, changes of cfg such as {"bias_weight": 2.0}); default: each of
-    `optimizers` with cfg as it is. Every (setting, V mean, arm) run is `steps` steps long, read from
+    """The explorer for a page without a kernel: every treatment in one figure, a menu entry per setting, a
+    slider for V's mean. A setting is (optimizer, changes of cfg such as {"bias_weight": 2.0}); default: each
+    of `optimizers` with cfg as it is. Every (setting, V mean, treatment) run is `steps` steps long, read from
     `trained` where it holds it (recorded_or_trained; e.g. recorded_control's runs, by their config) or
     trained here."""
     cfg = replace(cfg or ControlConfig(), steps=steps)
@@ -197,12 +200,12 @@ def control_twin(
         changed = [f"{name.replace('_', ' ')} {value:g}" for name, value in changes.items()]
         return ", ".join([optimizer, *changed])
 
-    def line(optimizer: str, changes: Mapping[str, float], arm: str) -> Line:
-        key = f"{'fp64' if arm == 'reference' else placement}/{optimizer}/{arm}"
-        return ARM_NAMES[arm], ARM_COLOURS[arm], lambda vm: recorded_or_trained(
+    def line(optimizer: str, changes: Mapping[str, float], treatment: str) -> Line:
+        key = f"{'fp64' if treatment == 'reference' else placement}/{optimizer}/{treatment}"
+        return TREATMENT_NAMES[treatment], TREATMENT_COLOURS[treatment], lambda vm: recorded_or_trained(
             replace(cfg, v_mean=vm, **changes), key, trained)
 
-    groups = {label(o, changes): [line(o, changes, a) for a in arms] for o, changes in settings}
+    groups = {label(o, changes): [line(o, changes, a) for a in treatments] for o, changes in settings}
     title = f"Positive control ({placement}): pick the optimizer and bias weight (menu), V's mean (slider)"
     fig = _frame(title, f"{steps} steps from W_Q(0); bias weight {cfg.bias_weight:g} unless the menu says, "
                  f"Fix β = {cfg.beta:g}", height=540)
