@@ -24,10 +24,12 @@ setup: $(STAMP)
 # lacks are executed first, two at a time on one thread each (_ext/execute_chapters.py); the build then
 # renders them from the cache.
 LAST_BUILD := _build/.doctrees/environment.pickle
+# The pages read the same ~70 run records: the first process to parse one keeps it here for the others.
+export LOWPREC_RUN_CACHE ?= $(abspath _build/run-cache)
 book: setup
 	@if [ -f $(LAST_BUILD) ] && [ -n "$$( { find lib -name '*.py' -newer $(LAST_BUILD); \
 		find results -type f ! -name PROTOCOL.md -newer $(LAST_BUILD); } | head -1)" ]; then \
-		rm -rf _build/.jupyter_cache _build/.doctrees; fi
+		rm -rf _build/.jupyter_cache _build/.doctrees _build/run-cache; fi
 	BOOK_BUILD=1 TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) _ext/execute_chapters.py \
 		--cache _build/.jupyter_cache --jobs 2 book/*.md
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .

@@ -94,6 +94,30 @@ def test_an_unchanged_run_is_read_once_per_process(tmp_path):
     assert load_run(tmp_path).summary["status"] == "finished" and load_run(tmp_path) is load_run(tmp_path)
 
 
+def test_a_run_kept_by_one_process_is_read_by_the_next(tmp_path, monkeypatch):
+    """With $LOWPREC_RUN_CACHE set, a parsed run is kept there and read back by a later process (here: after
+    the in-process cache is cleared); a changed record is parsed again, and a damaged kept file is ignored."""
+    from lowprec import runs
+
+    monkeypatch.setenv(runs.RUN_CACHE, str(tmp_path / "kept"))
+    write_run(tmp_path / "r")
+    runs._read_run.cache_clear()
+    first = load_run(tmp_path / "r")
+    (kept,) = (tmp_path / "kept").glob("*.pickle")
+    runs._read_run.cache_clear()
+    monkeypatch.setattr(runs, "_parse_run", lambda path: pytest.fail("parsed again"))
+    assert load_run(tmp_path / "r") == first
+    monkeypatch.undo()
+    monkeypatch.setenv(runs.RUN_CACHE, str(tmp_path / "kept"))
+    kept.write_bytes(b"not a pickle")
+    runs._read_run.cache_clear()
+    assert load_run(tmp_path / "r") == first
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    (tmp_path / "r" / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
+    with pytest.raises(RunRecordError, match="record_sha256"):  # checked, not taken as kept
+        load_run(tmp_path / "r")
+
+
 def test_written_incrementally_and_resume_truncates(tmp_path):
     w = RunWriter(tmp_path, CONFIG)
     w.log(record(0))

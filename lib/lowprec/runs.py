@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import math
 import os
+import pickle
 import platform
 import subprocess
 import sys
@@ -37,6 +38,7 @@ EVENT_KEYS = ("event", "step")
 FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
 LOCK = "writer.lock"
 REPO = Path(__file__).resolve().parents[2]
+RUN_CACHE = "LOWPREC_RUN_CACHE"  # a folder where loaded runs are kept for other processes (unset: none)
 
 
 class RunRecordError(ValueError):
@@ -561,9 +563,42 @@ def _check_summary(path: Path, summary: dict, metrics: list[dict]) -> None:
                              f"{last}")
 
 
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of this module: a kept Run is used only by the code that read it."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _kept_file(path: Path, stamp: tuple) -> Path | None:
+    """Where $LOWPREC_RUN_CACHE keeps the Run of `path` as of `stamp` (None: no such folder is set)."""
+    folder = os.environ.get(RUN_CACHE)
+    if not folder:
+        return None
+    key = hashlib.sha256(repr((str(path.resolve()), stamp, _source_digest())).encode()).hexdigest()
+    return Path(folder) / f"{key}.pickle"
+
+
 @functools.lru_cache(maxsize=128)  # a chapter reads each of the ~70 records several times
 def _read_run(path: Path, stamp: tuple) -> Run:
-    """The Run in `path` (read afresh for each new `stamp` of its files)."""
+    """The Run in `path` (read afresh for each new `stamp` of its files): from $LOWPREC_RUN_CACHE where
+    another process kept it (the book's pages read the same records), else parsed, checked and kept there."""
+    kept = _kept_file(path, stamp)
+    if kept is not None and kept.exists():
+        try:
+            return pickle.loads(kept.read_bytes())
+        except Exception:  # noqa: BLE001 (a damaged or foreign file: read the record instead)
+            pass
+    run = _parse_run(path)
+    if kept is not None:
+        with contextlib.suppress(OSError):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(kept, "wb") as handle:
+                pickle.dump(run, handle, protocol=pickle.HIGHEST_PROTOCOL)
+    return run
+
+
+def _parse_run(path: Path) -> Run:
+    """Read and check the run folder `path`."""
     record = load_record(path, ("config", "provenance"))
     metrics, metrics_sha256 = _read_jsonl(metrics_file(path), METRIC_KEYS)
     for number, (prev, cur) in enumerate(zip(metrics, metrics[1:], strict=False), start=2):
