@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup book test lab lint clean
 
+# Every Python process these targets start imports _ext/startup/sitecustomize.py (it spares them an unused
+# 2-second import); a PYTHONPATH of your own stays after it.
+export PYTHONPATH := $(abspath _ext/startup)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
