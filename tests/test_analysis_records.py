@@ -126,6 +126,17 @@ def test_load_experiment(tmp_path) -> None:
     assert list(named) == ["x-s1", "x-s2"] and named["x-s2"].path.name == "b-s2"
 
 
+def test_experiment_runs(tmp_path) -> None:
+    write_run(tmp_path / "one" / "a-s1")
+    write_run(tmp_path / "two" / "b-s2", config={**CONFIG, "seed": 2})
+    runs = analysis.experiment_runs(tmp_path, "one", "two")
+    assert list(runs) == ["a-s1", "b-s2"] and runs["b-s2"].path == tmp_path / "two" / "b-s2"
+    named = analysis.experiment_runs(tmp_path, "one", "two", name=lambda config: f"x-s{config['seed']}")
+    assert list(named) == ["x-s1", "x-s2"]
+    with pytest.raises(ValueError, match="two runs named 'x'"):
+        analysis.experiment_runs(tmp_path, "one", "two", name=lambda config: "x")
+
+
 def test_load_experiment_refuses_two_runs_of_one_name_and_an_empty_folder(tmp_path) -> None:
     write_run(tmp_path / "a")
     write_run(tmp_path / "b")

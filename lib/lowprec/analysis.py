@@ -1,9 +1,9 @@
 """Analysis of recorded runs for the book and the experiments: signed-error statistics (`ErrorStats`),
 per-head t-scores of the δ error, the paper's signature, the logits' onsets (runaways, `first_over`,
 `first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a run's events and
-recipe (`outcomes`, `recipe`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line run
-summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`,
-`survival_table`).
+recipe (`outcomes`, `recipe`), several experiment folders' runs at once (`experiment_runs`), criterion
+records (`criterion`, `combined_z`, `layer_t2`), one-line run summaries, and the survival statistics of many
+runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -14,12 +14,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lowprec.runs import Run, RunRecordError, load_run
+from lowprec.runs import Run, RunRecordError, load_experiment, load_run
 
 SPIKE_FACTOR = 1.25  # a "spike": the smoothed loss rises this far above its running minimum
 SPIKE_WINDOW = 5     # logged records (log_interval steps each) in the moving mean the spike rule uses
@@ -159,6 +160,19 @@ def mean_loss(run: Run, start: int, stop: int) -> float:
     """Mean of the logged losses at steps in [start, stop)."""
     window = [v for s, v in zip(*run.series("loss"), strict=True) if start <= s < stop]
     return sum(window) / len(window)
+
+
+def experiment_runs(root: str | Path, *folders: str,
+                    name: Callable[[dict], str] | None = None) -> dict[str, Run]:
+    """The runs of some experiment folders under root, in one dict, each by `name(config)` as
+    `runs.load_experiment` names it (default: its folder's name). ValueError if two runs get one name."""
+    runs: dict[str, Run] = {}
+    for folder in folders:
+        for key, run in load_experiment(Path(root) / folder, name=name).items():
+            if key in runs:
+                raise ValueError(f"two runs named {key!r} ({runs[key].path}, {run.path})")
+            runs[key] = run
+    return runs
 
 
 def first_difference(run: Run, other: Run) -> int | None:
