@@ -721,13 +721,15 @@ def test_random_kills_and_damage_end_bit_identical_or_refused(warm, tmp_path):
     rng = random.Random(37)
     assert warm("train", "--config", "smoke-cpu", "--out", tmp_path / "reference", *TINY).code == 0
     expected = outcome(tmp_path / "reference")
-    steps_s = 1.2 * load_run(tmp_path / "reference").summary["time_s"]  # its steps' time, and a little more
+    steps_s = load_run(tmp_path / "reference").summary["time_s"]  # its 8 steps' time
+    marks = ("metrics.jsonl", *(f"checkpoint/ckpt-{step:06d}.pt" for step in (2, 4, 6)))  # as it goes on
 
     def kill(run: Path) -> dict:
-        """When to kill a run: mostly while it trains (timed from when its record opens), at times before."""
-        early = rng.random() < 0.1
-        return {"kill_after": rng.uniform(0, 0.5 if early else steps_s), "kill_from": None if early
-                else run / "metrics.jsonl"}
+        """When to kill a run: mostly within about two steps of a random point of its progress (its record
+        opening, or a checkpoint appearing), at times from its start, before it opens its record."""
+        if rng.random() < 0.1:
+            return {"kill_after": rng.uniform(0, 0.5), "kill_from": None}
+        return {"kill_after": rng.uniform(0, steps_s / 4), "kill_from": run / rng.choice(marks)}
 
     tally: dict[str, int] = {"identical": 0, "refused": 0, "killed": 0, "damaged": 0}
     for trial in range(TRIALS):
