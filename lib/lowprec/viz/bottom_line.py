@@ -2,9 +2,9 @@
 what is untested, where each is shown), every number counted from the committed records under results/.
 
 `bottom_line` checks each claim it words against the records and raises `StaleClaim` when one no longer
-holds, so the text cannot go stale silently. `explode_runs` reads every training run of the explosion hunt
-into one `RunFacts` row each (arm, seed, tokens per step, corpus, runaway, spike, explosion); `select`,
-`tally`, `rate` and `queue_progress` count them for the chapters too.
+holds, so the text cannot go stale silently. `explode_records` reads every training run under
+results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
+runaway, spike, explosion); `select`, `tally`, `rate` and `queue_progress` count them for the chapters too.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowprec.analysis import first_layer, outcome, outcomes, recipe, wilson
+from lowprec.analysis import first_layer, outcomes, recipe, wilson
+from lowprec.instruments import study
 from lowprec.instruments.explode import arm_of
-from lowprec.runs import REPO, Run, RunRecordError, list_runs, load_run
+from lowprec.runs import REPO, Run, experiments, load_experiment
 
 RESULTS = REPO / "results"
 STUDY = ("survival", "lr-qknorm")  # the attribution study's queues (chapter 3 reads them)
@@ -56,9 +57,8 @@ class RunFacts:
     explosion: int | None
 
 
-def facts(folder: Path, name: str) -> RunFacts:
-    """The `RunFacts` of one run folder (`analysis.outcomes`, `analysis.recipe`, `analysis.first_layer`)."""
-    run = load_run(folder)
+def facts(run: Run, name: str) -> RunFacts:
+    """The `RunFacts` of one run (`analysis.outcomes`, `analysis.recipe`, `analysis.first_layer`)."""
     events, setting = outcomes(run), recipe(run)
     return RunFacts(name=name, arm=arm_of(run.config["model"]["attention"], run.config["dtype"]),
                     seed=run.config["seed"], config=run.config["name"], lr=setting["lr"],
@@ -68,27 +68,23 @@ def facts(folder: Path, name: str) -> RunFacts:
 
 
 @functools.cache
+def explode_records(results: Path = RESULTS) -> dict[str, Run]:
+    """Every training run under results/explode/ (`runs.experiments`, `runs.load_experiment`: replays left
+    out) by "<experiment>/<run folder>", or "<experiment>" for a folder that is one run."""
+    return {folder.name if run.path == folder else f"{folder.name}/{name}": run
+            for folder in experiments(Path(results) / "explode")
+            for name, run in load_experiment(folder).items()}
+
+
+@functools.cache
 def explode_runs(results: Path = RESULTS) -> dict[str, RunFacts]:
-    """Every readable run of results/explode/<experiment>/<run>/ (replays, nested deeper, are left out) by
-    "<experiment>/<run>", plus the one-folder experiments "<experiment>"."""
-    root = Path(results) / "explode"
-    folders = sorted(p.parent for p in [*root.glob("*/*/config.json"), *root.glob("*/config.json")])
-    out = {}
-    for folder in folders:
-        try:
-            out[str(folder.relative_to(root))] = facts(folder, str(folder.relative_to(root)))
-        except RunRecordError:
-            continue  # a lost run (no record) says nothing
-    return out
+    """The `RunFacts` of every run of `explode_records`, by the same names."""
+    return {name: facts(run, name) for name, run in explode_records(results).items()}
 
 
 def hunt_records(results: Path = RESULTS) -> dict[str, Run]:
-    """Every run of the explosion hunt by its folder under results/explode/: no replay (it repeats steps of a
-    run listed here) and none of the attribution study's queues."""
-    root = Path(results) / "explode"
-    return {str(Path(r["path"]).relative_to(root)): load_run(r["path"]) for r in list_runs(root)
-            if not (Path(r["path"]) / "replay.json").exists() and Path(r["path"]).relative_to(root).parts[0]
-            not in STUDY}
+    """The runs of `explode_records` that belong to the explosion hunt: none of the attribution study's."""
+    return {name: run for name, run in explode_records(results).items() if name.split("/")[0] not in STUDY}
 
 
 def bias_noise_sources(results: Path = RESULTS, layer: int = 1) -> dict[tuple[str, int], list[dict]]:
@@ -123,19 +119,11 @@ def rate(k: int, n: int, noun: str = "runs") -> str:
 
 
 def queue_progress(queue: Path) -> tuple[int, int, list[str]]:
-    """(done, queued, the done runs' names) of a study queue: a run is done when its record beside the queue
-    reached the horizon or the stop rule (as `lowprec experiment study --status` counts)."""
-    q = json.loads(Path(queue).read_text())
-    done = []
-    for item in q["runs"]:
-        name = f"{item['arm']}-{item['tag']}" if item.get("tag") else item["arm"]
-        folder = Path(queue).parent / f"{name}-s{item['seed']}"
-        try:
-            outcome(load_run(folder), q["horizon"])
-        except (RunRecordError, ValueError):
-            continue
-        done.append(folder.name)
-    return len(done), len(q["runs"]), done
+    """(done, queued, the done runs' names) of a study queue, counted as `lowprec experiment study --status`
+    counts them (`study.states`: records beside the queue)."""
+    rows = study.states(study.load_queue(queue), Path(queue).parent, None)
+    done = [row["name"] for row in rows if row["state"] == "done"]
+    return len(done), len(rows), done
 
 
 def bottom_line(results: Path = RESULTS) -> str:
