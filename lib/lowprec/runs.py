@@ -652,8 +652,9 @@ def load_experiment(folder: str | Path, name: Callable[[dict], str] | None = Non
         raise ValueError(f"{folder} holds no run folder")
     runs: dict[str, Run] = {}
     for path in found:
-        key = name(load_config(path)) if name else path.name
+        run = load_run(path)
+        key = name(run.config) if name else path.name
         if key in runs:
             raise ValueError(f"{folder}: two runs named {key!r} ({runs[key].path.name}, {path.name})")
-        runs[key] = load_run(path)
+        runs[key] = run
     return runs
