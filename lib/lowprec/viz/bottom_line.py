@@ -197,7 +197,13 @@ def bottom_line(results: Path = RESULTS) -> str:
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
     sv_done, sv_total, sv_names = queue_progress(results / "explode" / "survival" / "queue.json")
     claim(lr_done == 0, "no learning-rate or QK-norm run done")
-    claim(sorted(sv_names) == ["attn-fp32-s1", "fa2-s1"], "the survival study: fa2 and attn-fp32, seed 1")
+    claim(sorted(sv_names) == ["attn-fp32-s1", "fa2-s1", "fp32pv-s1", "paper64-s1"],
+          "the survival study: seed 1 of fa2, attn-fp32, fp32pv and paper64")
+    study = {name: runs[f"survival/{name}"] for name in sorted(sv_names)}
+    quiet = [n.removesuffix("-s1") for n, r in study.items() if r.runaway is None]
+    gone = study["paper64-s1"]
+    claim(quiet == ["attn-fp32", "fa2", "fp32pv"] and gone.first_layer == 1 and gone.explosion is not None,
+          "seed 1: only paper64 ran away (layer index 1) and exploded")
     claim(not any(r.arm == "model-fp32" for r in runs.values()), "no model-fp32 run")
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
     claim(max(larger) < 3000, "no larger model trained past 3,000 steps")
@@ -209,7 +215,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"**Untested.** The learning rate and QK-LayerNorm ({lr_done} of the {lr_total} runs of that study "
         f"are done), QK-clip, z-loss, fp32 throughout (`model-fp32`) and larger models (none ran past "
         f"{max(larger):,} steps); of the "
-        f"survival study's {sv_total} runs, {sv_done} are done. Same-seed runs in the older records are not "
+        f"survival study's {sv_total} runs, {sv_done} are done (seed 1: {', '.join(f'`{a}`' for a in quiet)} "
+        f"reached {min(study[a + '-s1'].steps for a in quiet):,} steps without a runaway; `paper64` ran away at step {gone.runaway:,} in "
+        f"layer index 1 and exploded at {gone.explosion:,}). Same-seed runs in the older records are not "
         f"repeatable: two default-mode twins' logged losses differ by up to {default['max_logged_loss_gap']} "
         f"within {repro['steps']:,} steps, while the deterministic mode gave one weights hash for "
         f"{len(det['runs'])} runs; so one run's onset is not its arm's.")
