@@ -202,6 +202,7 @@ def bottom_line(results: Path = RESULTS) -> str:
     study = {name: runs[f"survival/{name}"] for name in sorted(sv_names)}
     quiet = [n.removesuffix("-s1") for n, r in study.items() if r.runaway is None]
     gone = study["paper64-s1"]
+    horizon = min(study[f"{arm}-s1"].steps for arm in quiet)
     claim(quiet == ["attn-fp32", "fa2", "fp32pv"] and gone.first_layer == 1 and gone.explosion is not None,
           "seed 1: only paper64 ran away (layer index 1) and exploded")
     claim(not any(r.arm == "model-fp32" for r in runs.values()), "no model-fp32 run")
@@ -216,7 +217,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"are done), QK-clip, z-loss, fp32 throughout (`model-fp32`) and larger models (none ran past "
         f"{max(larger):,} steps); of the "
         f"survival study's {sv_total} runs, {sv_done} are done (seed 1: {', '.join(f'`{a}`' for a in quiet)} "
-        f"reached {min(study[a + '-s1'].steps for a in quiet):,} steps without a runaway; `paper64` ran away at step {gone.runaway:,} in "
+        f"reached {horizon:,} steps without a runaway; `paper64` ran away at step {gone.runaway:,} in "
         f"layer index 1 and exploded at {gone.explosion:,}). Same-seed runs in the older records are not "
         f"repeatable: two default-mode twins' logged losses differ by up to {default['max_logged_loss_gap']} "
         f"within {repro['steps']:,} steps, while the deterministic mode gave one weights hash for "
