@@ -178,7 +178,9 @@ def bottom_line(results: Path = RESULTS) -> str:
     fixed = select(runs, "paper64-fix")
     claim(tally(fixed, "runaway") == (3, 3), "the Fix: paper64-fix ran away in 3 of 3")
     claim(runs["bigbatch-fix/paper64-fix-s1337"].explosion is not None, "the Fix exploded at 262k")
-    alone = {arm: runs[f"survival/{arm}-s1"] for arm in ("attn-fp32", "fa2")}
+    sv_done, sv_total, sv_names = queue_progress(results / "explode" / "survival" / "queue.json")
+    study_runs = {name.removesuffix("-s1"): runs[f"survival/{name}"] for name in sorted(sv_names)}
+    alone = {arm: study_runs[arm] for arm in ("attn-fp32", "fa2")}
     claim(all(r.steps >= 8000 and r.first_layer is None for r in alone.values()),
           "attn-fp32 and fa2, seed 1: 8,000 steps without a runaway")
     plain, cons = runs["kbit3/kbit3-s3"], runs["kbit3c/kbit3-consistent-s3"]
@@ -195,16 +197,13 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{alone['attn-fp32'].steps:,} steps without a runaway: one run.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
-    sv_done, sv_total, sv_names = queue_progress(results / "explode" / "survival" / "queue.json")
     claim(lr_done == 0, "no learning-rate or QK-norm run done")
     claim(sorted(sv_names) == ["attn-fp32-s1", "fa2-s1", "fp32pv-s1", "paper64-s1"],
           "the survival study: seed 1 of fa2, attn-fp32, fp32pv and paper64")
-    study = {name: runs[f"survival/{name}"] for name in sorted(sv_names)}
-    quiet = [n.removesuffix("-s1") for n, r in study.items() if r.runaway is None]
-    gone = study["paper64-s1"]
-    horizon = min(study[f"{arm}-s1"].steps for arm in quiet)
-    claim(quiet == ["attn-fp32", "fa2", "fp32pv"] and gone.first_layer == 1 and gone.explosion is not None,
-          "seed 1: only paper64 ran away (layer index 1) and exploded")
+    quiet = {arm: r for arm, r in study_runs.items() if r.runaway is None}
+    gone = study_runs["paper64"]
+    claim(list(quiet) == ["attn-fp32", "fa2", "fp32pv"] and gone.first_layer == 1
+          and gone.explosion is not None, "seed 1: only paper64 ran away (layer index 1) and exploded")
     claim(not any(r.arm == "model-fp32" for r in runs.values()), "no model-fp32 run")
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
     claim(max(larger) < 3000, "no larger model trained past 3,000 steps")
@@ -216,10 +215,11 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"**Untested.** The learning rate and QK-LayerNorm ({lr_done} of the {lr_total} runs of that study "
         f"are done), QK-clip, z-loss, fp32 throughout (`model-fp32`) and larger models (none ran past "
         f"{max(larger):,} steps); of the "
-        f"survival study's {sv_total} runs, {sv_done} are done (seed 1: {', '.join(f'`{a}`' for a in quiet)} "
-        f"reached {horizon:,} steps without a runaway; `paper64` ran away at step {gone.runaway:,} in "
-        f"layer index 1 and exploded at {gone.explosion:,}). Same-seed runs in the older records are not "
-        f"repeatable: two default-mode twins' logged losses differ by up to {default['max_logged_loss_gap']} "
+        f"survival study's {sv_total} runs, {sv_done} are done (seed 1: "
+        f"{', '.join(f'`{arm}`' for arm in quiet)} reached {min(r.steps for r in quiet.values()):,} steps "
+        f"without a runaway; `paper64` ran away at step {gone.runaway:,} in layer index 1 and exploded at "
+        f"{gone.explosion:,}). Same-seed runs in the older records are not repeatable: two default-mode "
+        f"twins' logged losses differ by up to {default['max_logged_loss_gap']} "
         f"within {repro['steps']:,} steps, while the deterministic mode gave one weights hash for "
         f"{len(det['runs'])} runs; so one run's onset is not its arm's.")
 
