@@ -3,6 +3,7 @@ small synthetic records with known answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -100,6 +101,16 @@ def test_losses_and_events(run, tmp_path) -> None:
     assert analysis.outcomes(load_run(tmp_path / "cut"))["steps"] == 1
     shifted = load_run(write_run(tmp_path / "shifted", loss_shift=0.5))
     assert analysis.first_difference(shifted, run) == 40
+    # keys=None: every logged value but the timings, telemetry included
+    def odd(step: int) -> list[list[float]]:
+        return [[7.0] * 3] * 2 if step == 100 else logits(step)
+    other = load_run(write_run(tmp_path / "other", logit=odd))
+    assert analysis.first_difference(other, run) is None
+    assert analysis.first_difference(other, run, None) == 100
+    timed = [{**m, "time_s": 2.0, "tokens_per_s": 5.0} for m in run.metrics]
+    slower = dataclasses.replace(run, metrics=timed)
+    assert analysis.first_difference(slower, run, None) is None
+    assert analysis.first_difference(shifted, run, ("grad_norm",)) is None
 
 
 def test_recipe(run, tmp_path) -> None:

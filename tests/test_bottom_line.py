@@ -70,6 +70,7 @@ def synthetic(tmp_path: Path) -> Path:
             (results / "explode" / item.name).symlink_to(item)
     shutil.copytree(EXPLODE / "lr-qknorm", results / "explode" / "lr-qknorm")
     shutil.copy(RESULTS / "train" / "reproducibility.json", results / "train")
+    shutil.copytree(RESULTS / "train" / "survival-repeat", results / "train" / "survival-repeat")
     return results
 
 
@@ -88,6 +89,25 @@ def test_a_contradicting_record_raises(tmp_path: Path) -> None:
         EXPLODE / "survival" / "fa2-s1")
     with pytest.raises(StaleClaim, match="learning-rate"):
         bottom_line(results)
+
+
+def test_a_repeat_that_parts_raises(tmp_path: Path) -> None:
+    results = synthetic(tmp_path)
+    repeat = results / "train" / "survival-repeat" / "bf16rowsum-s1"
+    shutil.rmtree(repeat)  # another run in the repeat's place: "the same values" is stale
+    shutil.copytree(EXPLODE / "survival" / "paper64-s1", repeat)
+    with pytest.raises(StaleClaim, match="made twice"):
+        bottom_line(results)
+
+
+def test_survival_runaways_by_arm(lines: list[str]) -> None:
+    arms: dict[str, list[int]] = {}
+    for folder in sorted((EXPLODE / "survival").glob("*-s[0-9]*")):
+        if folder.is_dir():
+            arm = folder.name.rsplit("-s", 1)[0]
+            arms.setdefault(arm, []).append(runaway_step(load_run(folder)) is not None)
+    for arm, went in arms.items():
+        assert f"`{arm}` {sum(went)} of {len(went)}" in lines[3], arm
 
 
 def test_hunt_records_and_their_bias_noise_sources() -> None:

@@ -175,12 +175,18 @@ def experiment_runs(root: str | Path, *folders: str,
     return runs
 
 
-def first_difference(run: Run, other: Run) -> int | None:
-    """The first logged step (of those both runs logged) at which two runs' training losses differ; None if
-    they agree at every one."""
-    theirs = dict(zip(*other.series("loss"), strict=True))
-    return next((step for step, loss in zip(*run.series("loss"), strict=True)
-                 if step in theirs and theirs[step] != loss), None)
+TIMINGS = ("time_s", "tokens_per_s", "telemetry_s")  # logged keys that measure the machine, not the run
+
+
+def first_difference(run: Run, other: Run, keys: tuple[str, ...] | None = ("loss",)) -> int | None:
+    """The first logged step (of those both runs logged) at which two runs' `keys` differ (None: every logged
+    value but the TIMINGS, telemetry included); None if they agree at every one."""
+    def values(row: dict) -> dict:
+        return ({k: v for k, v in row.items() if k not in TIMINGS} if keys is None
+                else {k: row.get(k) for k in keys})
+    theirs = {row["step"]: values(row) for row in other.metrics}
+    return next((row["step"] for row in run.metrics
+                 if row["step"] in theirs and theirs[row["step"]] != values(row)), None)
 
 
 def outcomes(run: Run) -> dict:

@@ -14,10 +14,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowprec.analysis import first_layer, outcomes, recipe, wilson
+from lowprec.analysis import first_difference, first_layer, outcomes, recipe, wilson
 from lowprec.instruments import study
 from lowprec.instruments.explode import arm_of
-from lowprec.runs import REPO, Run, experiments, load_experiment
+from lowprec.runs import REPO, Run, experiments, load_experiment, load_run
 
 RESULTS = REPO / "results"
 STUDY = ("survival", "lr-qknorm")  # the attribution study's queues (chapter 3 reads them)
@@ -179,10 +179,16 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(tally(fixed, "runaway") == (3, 3), "the Fix: paper64-fix ran away in 3 of 3")
     claim(runs["bigbatch-fix/paper64-fix-s1337"].explosion is not None, "the Fix exploded at 262k")
     sv_done, sv_total, sv_names = queue_progress(results / "explode" / "survival" / "queue.json")
-    study_runs = {name.removesuffix("-s1"): runs[f"survival/{name}"] for name in sorted(sv_names)}
-    alone = {arm: study_runs[arm] for arm in ("attn-fp32", "fa2")}
-    claim(all(r.steps >= 8000 and r.first_layer is None for r in alone.values()),
-          "attn-fp32 and fa2, seed 1: 8,000 steps without a runaway")
+    study_arms: dict[str, list[RunFacts]] = {}
+    for name in sorted(sv_names):
+        study_arms.setdefault(runs[f"survival/{name}"].arm, []).append(runs[f"survival/{name}"])
+    fp32_attn, cons_fa2, plain_fa2 = (study_arms.get(arm, [])
+                                      for arm in ("attn-fp32", "fa2-consistent", "fa2"))
+    claim(fp32_attn and all(r.steps >= 8000 and r.first_layer is None for r in fp32_attn),
+          "attn-fp32: every survival run reached 8,000 steps without a runaway")
+    claim(cons_fa2 and all(r.runaway and r.explosion for r in cons_fa2) and plain_fa2
+          and not any(r.runaway for r in plain_fa2),
+          "fa2-consistent ran away and exploded in every survival run, fa2 in none")
     plain, cons = runs["kbit3/kbit3-s3"], runs["kbit3c/kbit3-consistent-s3"]
     claim(plain.spike is not None and cons.spike is None and cons.runaway is not None,
           "consistent: no spike, still a runaway (3-bit, seed 3)")
@@ -193,17 +199,22 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"steps before it. Do not count on the paper's Fix: with it the authors' placement ran away in "
         f"{rate(*tally(fixed, 'runaway'), 'seeds')} and exploded at {LARGE:,} tokens per step. Summing the "
         f"rounded weights into $\\ell$ (`consistent`) stopped the loss spike of one 3-bit-$\\bar P$ run but "
-        f"not its runaway (one seed). Attention in fp32 (`attn-fp32`) reached "
-        f"{alone['attn-fp32'].steps:,} steps without a runaway: one run.")
+        f"not its runaway (one seed), and in bf16 training on the production placement (`fa2-consistent`) "
+        f"{rate(*tally(cons_fa2, 'runaway'))} ran away and exploded (step "
+        f"{', '.join(f'{r.runaway:,}' for r in cons_fa2)}; the stop rule at "
+        f"{', '.join(f'{r.explosion:,}' for r in cons_fa2)}) where `fa2` did not in "
+        f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 (`attn-fp32`) "
+        f"reached 8,000 steps without a runaway ({len(fp32_attn)} run{'s' * (len(fp32_attn) > 1)}).")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
     claim(lr_done == 0, "no learning-rate or QK-norm run done")
-    claim(sorted(sv_names) == ["attn-fp32-s1", "fa2-s1", "fp32pv-s1", "paper64-s1"],
-          "the survival study: seed 1 of fa2, attn-fp32, fp32pv and paper64")
-    quiet = {arm: r for arm, r in study_runs.items() if r.runaway is None}
-    gone = study_runs["paper64"]
-    claim(list(quiet) == ["attn-fp32", "fa2", "fp32pv"] and gone.first_layer == 1
-          and gone.explosion is not None, "seed 1: only paper64 ran away (layer index 1) and exploded")
+    went = [r for group in study_arms.values() for r in group if r.runaway is not None]
+    claim(all(r.first_layer == 1 for r in went), "every survival runaway began in layer index 1")
+    def onsets(group: list[RunFacts]) -> str:
+        steps = [f"{r.runaway:,}" for r in group if r.runaway is not None]
+        return f" (at step{'s' * (len(steps) > 1)} {', '.join(steps)})" if steps else ""
+    per_arm = "; ".join(f"`{arm}` {sum(r.runaway is not None for r in group)} of {len(group)}{onsets(group)}"
+                        for arm, group in sorted(study_arms.items()))
     claim(not any(r.arm == "model-fp32" for r in runs.values()), "no model-fp32 run")
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
     claim(max(larger) < 3000, "no larger model trained past 3,000 steps")
@@ -211,17 +222,25 @@ def bottom_line(results: Path = RESULTS) -> str:
     det, default = repro["twins"]["deterministic"], repro["twins"]["default"]
     claim(det["identical_weights"] and not default["identical_weights"],
           "deterministic twins agree, default-mode twins do not")
+    again = {path.name: load_run(path) for path in sorted((results / "train" / "survival-repeat").iterdir())
+             if path.is_dir()}
+    first = {name: explode_records(results)[f"survival/{name}"] for name in again}
+    claim(len(again) == 2 and all(
+        first_difference(run, first[name], None) is None
+        and run.summary["weights_sha256"] == first[name].summary["weights_sha256"]
+        for name, run in again.items()), "two survival runs made twice: same values, same weights")
     untested = (
         f"**Untested.** The learning rate and QK-LayerNorm ({lr_done} of the {lr_total} runs of that study "
         f"are done), QK-clip, z-loss, fp32 throughout (`model-fp32`) and larger models (none ran past "
         f"{max(larger):,} steps); of the "
-        f"survival study's {sv_total} runs, {sv_done} are done (seed 1: "
-        f"{', '.join(f'`{arm}`' for arm in quiet)} reached {min(r.steps for r in quiet.values()):,} steps "
-        f"without a runaway; `paper64` ran away at step {gone.runaway:,} in layer index 1 and exploded at "
-        f"{gone.explosion:,}). Same-seed runs in the older records are not repeatable: two default-mode "
+        f"survival study's {sv_total} runs, {sv_done} are done (runaways by arm: {per_arm}; every one "
+        f"in layer index 1). Same-seed runs in the older records are not repeatable: two default-mode "
         f"twins' logged losses differ by up to {default['max_logged_loss_gap']} "
         f"within {repro['steps']:,} steps, while the deterministic mode gave one weights hash for "
-        f"{len(det['runs'])} runs; so one run's onset is not its arm's.")
+        f"{len(det['runs'])} runs, and two of the survival runs, made again on a second machine "
+        f"({', '.join(f'`{name}`' for name in again)}), logged the same values at every step, to their stop "
+        f"rules, and ended with the same weights; so a seed fixes a run, and an arm's onset is a rate over "
+        f"seeds, not one run's step.")
 
     where = (
         "**Where each is shown.** Runaways, spikes and explosions by placement, batch and Fix: "
