@@ -4,8 +4,10 @@ imports, however indirectly, one that imports it back."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -133,6 +135,48 @@ def test_help_imports_no_command_module(argv: list[str]) -> None:
     assert result.returncode == 0 and "usage: lowprec" in result.stdout, result.stderr[-2000:]
 
 
+# Each import below runs in a fresh interpreter: a child forked from one that has imported torch and nothing
+# else (torch's import is most of each check's 2.5 s), or, where torch itself must stay out, a new process.
+# A module torch had loaded could only make a check fail, never pass: none of `absent` is among them.
+FORKER = """
+import json, os, sys
+import torch
+assert not [m for m in sys.modules if m.startswith("lowprec")]
+for line in sys.stdin:
+    code = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        try:
+            exec(code, {"__name__": "__main__"})
+            status = 0
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            status = 1
+        os._exit(status)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def with_torch() -> Iterator[Callable[[str], int]]:
+    """Runs code in a child of an interpreter that has imported torch; its exit status."""
+    forker = subprocess.Popen([sys.executable, "-c", FORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+
+    def run(code: str) -> int:
+        forker.stdin.write(json.dumps(code) + "\n")
+        forker.stdin.flush()
+        return int(forker.stdout.readline())
+
+    yield run
+    forker.stdin.close()
+    forker.wait(timeout=60)
+
+
 @pytest.mark.parametrize("module,absent", [
     ("lowprec.runs", "torch"),
     ("lowprec.analysis", "lowprec.model"),
@@ -142,7 +186,10 @@ def test_help_imports_no_command_module(argv: list[str]) -> None:
     ("lowprec.attention", "lowprec.model"),
     ("lowprec.hf", "transformers"),  # the plug-in imports transformers when it registers
 ])
-def test_importing_a_lower_layer_loads_no_upper_one(module: str, absent: str) -> None:
+def test_importing_a_lower_layer_loads_no_upper_one(with_torch, module: str, absent: str) -> None:
     code = f"import sys, {module}; assert {absent!r} not in sys.modules, sorted(sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, f"importing {module} loads {absent}"
+    if absent == "torch":
+        status = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode
+    else:
+        status = with_torch(code)
+    assert status == 0, f"importing {module} loads {absent}"

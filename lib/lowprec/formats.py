@@ -173,6 +173,8 @@ def round_to(
         raise ValueError(f"generator must be on x's device ({x.device}), got one on {generator.device}")
 
     u = x.view(torch.int32)
+    if mode == "nearest" and fmt.exp_bits == 8 and not fmt.no_inf and 1 <= fmt.man_bits < 23:
+        return _nearest_fp32_exponent(x, u, 23 - fmt.man_bits)
     sig, q, shift = _grid(u & _ABS, fmt)
     kept = shift.clamp(max=25)  # sig < 2**24, so dropping 25 bits already drops every bit
     n = sig >> kept  # whole grid steps, rounded toward zero
@@ -192,6 +194,19 @@ def round_to(
     value = torch.where(value > fmt.max, beyond, value)
     signed = (value.view(torch.int32) | (u & _SIGN)).view(torch.float32)
     return torch.where(torch.isnan(x), x, signed)
+
+
+def _nearest_fp32_exponent(x: torch.Tensor, u: torch.Tensor, dropped: int) -> torch.Tensor:
+    """round_to(x, fmt, "nearest") for a format with fp32's exponent (8 bits, IEEE: bf16, tf32, the k-bit
+    formats) and 1 to 22 significand bits: the same grid as fp32's with the low `dropped` bits of every
+    pattern cleared (subnormals included), so adding half a step less one, plus the kept last bit (ties to
+    even), to the bits of |x| and clearing them rounds to nearest even; a carry moves into the exponent as
+    the value moves into the next binade, and past fmt.max to inf, as round_to's general path gives (7
+    tensor operations instead of about 35; tests/test_formats.py checks bf16 against torch's cast and the
+    others against its float64 reference, ties and binade edges included)."""
+    low = 1 << dropped
+    rounded = ((u + ((u >> dropped) & 1) + (low // 2 - 1)) & -low).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded)
 
 
 @dataclass(frozen=True)

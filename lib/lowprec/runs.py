@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import gzip
 import hashlib
 import importlib.metadata
@@ -578,10 +579,29 @@ def _kept_file(path: Path, stamp: tuple) -> Path | None:
     return Path(folder) / f"{key}.pickle"
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (then restored as it was): a run's record is built as ~10^5
+    small lists and dicts, none in a reference cycle, and the collector's passes over them while they were
+    built took two thirds of a load."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @functools.lru_cache(maxsize=128)  # a chapter reads each of the ~70 records several times
 def _read_run(path: Path, stamp: tuple) -> Run:
     """The Run in `path` (read afresh for each new `stamp` of its files): from $LOWPREC_RUN_CACHE where
     another process kept it (the book's pages read the same records), else parsed, checked and kept there."""
+    with _collector_paused():
+        return _kept_or_parsed(path, stamp)
+
+
+def _kept_or_parsed(path: Path, stamp: tuple) -> Run:
     kept = _kept_file(path, stamp)
     if kept is not None and kept.exists():
         try:

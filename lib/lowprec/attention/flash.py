@@ -395,9 +395,22 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 # ---------------------------------------------------------------------------------- ahead-of-time compile
 
 
-def _sass_count(sass: str) -> int:
-    """Instructions in nvdisasm's listing (lines "<control>\t[@predicate] OPCODE operands")."""
-    return sum(1 for line in sass.splitlines() if len(parts := line.split("\t")) >= 2 and parts[1].strip())
+def _sass_count(compiled) -> int:
+    """Instructions in the SASS listing of a build's cubin (`compiled.asm["sass"]`, lines "<control>\t
+    [@predicate] OPCODE operands"); kept beside Triton's own compile cache (keyed by the cubin and the
+    disassembler, cuobjdump: about 0.7 s a build), as `_ptxas_usage` keeps its numbers."""
+    from triton import knobs
+    from triton.runtime.cache import get_cache_manager
+
+    cubin = compiled.asm["cubin"]
+    key = hashlib.sha256(f"{knobs.nvidia.cuobjdump.path} sass\n".encode() + cubin).hexdigest()
+    cache = get_cache_manager(key)
+    if (cached := cache.get_file("sass.json")) is not None:
+        return json.loads(Path(cached).read_text())["instructions"]
+    sass = compiled.asm["sass"]
+    count = sum(1 for line in sass.splitlines() if len(parts := line.split("\t")) >= 2 and parts[1].strip())
+    cache.put(json.dumps({"instructions": count}), "sass.json", binary=False)
+    return count
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
@@ -493,5 +506,5 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
                 ptx = compiled.asm["ptx"]
                 usage[key] = {"shared": compiled.metadata.shared, **_ptxas_usage(ptx, arch),
                               "ex2": ptx.count("ex2.approx."), "ex2_ftz": ptx.count("ex2.approx.ftz.f32"),
-                              "sass": _sass_count(compiled.asm["sass"])}
+                              "sass": _sass_count(compiled)}
     return usage
