@@ -12,7 +12,7 @@ from lowprec.instruments import bench_overhead
 
 def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
     out = tmp_path / "overhead.json"
-    assert cli.main(["bench", "overhead", "--smoke", "--out", str(out)]) == 0
+    assert cli.main(["bench", "overhead", "--smoke", "--profile", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     rows = record["calls"]
     assert {(r["impl"], r["mode"]) for r in rows} == {(impl, mode) for impl in bench_overhead.IMPLS
@@ -24,6 +24,11 @@ def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
     ratios = {key: value for key, value in summary.items() if key != "met"}
     assert set(summary["met"]) == set(ratios) and all(value > 0 for value in ratios.values())
     assert record["provenance"]["command"]
+    profile = record["profile"]  # the host path's functions by own time, per mode
+    assert profile["impl"] == "triton" and {"fwd", "fwd+bwd"} <= set(profile)
+    functions = [row["function"] for row in profile["fwd"]]
+    assert any(f.startswith(("lowprec/", "torch/", "triton/")) for f in functions), functions
+    assert all(row["own_us"] >= 0 and row["cum_us"] >= row["own_us"] for row in profile["fwd"])
 
 
 def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):

@@ -37,6 +37,16 @@ def test_string_form_round_trips(spec: AttentionSpec) -> None:
     assert AttentionSpec.parse(spec) is spec
 
 
+def test_a_string_is_parsed_once(monkeypatch) -> None:
+    for _ in range(2):  # a string that does not parse raises at every call
+        with pytest.raises(ValueError, match="attention spec 'triton/block_m=x'"):
+            AttentionSpec.parse("triton/block_m=x")
+    text = "triton/precision=fa2:norm=rounded/fix=2/block_m=32"
+    first = AttentionSpec.parse(text)
+    monkeypatch.setattr(Precision, "parse", lambda *a: pytest.fail("parsed again"))
+    assert AttentionSpec.parse(text) is first
+
+
 def test_fix_string_form_round_trips() -> None:
     for fix in FIXES[1:]:
         assert Fix.parse(fix.spec) == fix

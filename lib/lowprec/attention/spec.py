@@ -10,6 +10,7 @@ call's keywords (precision and fix as spec strings).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -144,33 +145,7 @@ class AttentionSpec:
         if not isinstance(spec, str):
             raise ValueError(f"attention must be an AttentionSpec or a string like 'triton/precision=fa2', "
                              f"got {spec!r}")
-        backend, *items = spec.strip().split("/")
-        if backend not in BACKENDS:
-            raise ValueError(f"attention spec {spec!r}: backend must be one of {tuple(BACKENDS)}")
-        caps = BACKENDS[backend]
-        fields: dict[str, object] = {}
-        options: dict[str, object] = {}
-        for item in items:
-            key, eq, value = (part.strip() for part in item.partition("="))
-            if not eq or not key:
-                raise ValueError(f"attention spec {spec!r}: options are key=value items separated by '/', "
-                                 f"got {item!r}")
-            if key in fields or key in options:
-                raise ValueError(f"attention spec {spec!r} sets {key} twice")
-            try:
-                if key in ("precision", "fix"):
-                    fields[key] = Precision.parse(value) if key == "precision" else Fix.parse(value)
-                elif key in caps.options:
-                    options[key] = _option_value(caps.options[key], value)
-                else:
-                    keys = [*(("precision", "fix") if caps.precision else ()), *caps.options]
-                    raise ValueError(f"backend {backend!r} has no option {key!r}; it takes {keys or 'none'}")
-            except ValueError as exc:
-                raise ValueError(f"attention spec {spec!r}: {exc}") from None
-        try:
-            return cls(backend, options=tuple(options.items()), **fields)
-        except ValueError as exc:
-            raise ValueError(f"attention spec {spec!r}: {exc}") from None
+        return _parsed(spec)
 
     def __repr__(self) -> str:
         return f"AttentionSpec({str(self)!r})"
@@ -213,3 +188,38 @@ class AttentionSpec:
             unknown = sorted(set(keywords) - self._allowed)
             raise ValueError(f"backend {self.backend!r} does not take {unknown}; it accepts "
                              f"{sorted(self._allowed) or 'none'}")
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(spec: str) -> AttentionSpec:
+    """`AttentionSpec.parse` of a string, kept: a string names one frozen spec, and code that passes the
+    string at every call (a model's attention, `attention(q, k, v, "triton/...")`) would otherwise parse it,
+    and render its precision back to text, every time. A string that does not parse raises each
+    time."""
+    backend, *items = spec.strip().split("/")
+    if backend not in BACKENDS:
+        raise ValueError(f"attention spec {spec!r}: backend must be one of {tuple(BACKENDS)}")
+    caps = BACKENDS[backend]
+    fields: dict[str, object] = {}
+    options: dict[str, object] = {}
+    for item in items:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key:
+            raise ValueError(f"attention spec {spec!r}: options are key=value items separated by '/', "
+                             f"got {item!r}")
+        if key in fields or key in options:
+            raise ValueError(f"attention spec {spec!r} sets {key} twice")
+        try:
+            if key in ("precision", "fix"):
+                fields[key] = Precision.parse(value) if key == "precision" else Fix.parse(value)
+            elif key in caps.options:
+                options[key] = _option_value(caps.options[key], value)
+            else:
+                keys = [*(("precision", "fix") if caps.precision else ()), *caps.options]
+                raise ValueError(f"backend {backend!r} has no option {key!r}; it takes {keys or 'none'}")
+        except ValueError as exc:
+            raise ValueError(f"attention spec {spec!r}: {exc}") from None
+    try:
+        return AttentionSpec(backend, options=tuple(options.items()), **fields)
+    except ValueError as exc:
+        raise ValueError(f"attention spec {spec!r}: {exc}") from None

@@ -13,10 +13,13 @@ the book's appendix "Methods and record formats".
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import functools
 import itertools
 import math
+import pstats
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +34,7 @@ IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton
 CALLS = 50
 STEP = (32, 256)  # the GPT steps' batch and context
 TARGETS = {"host_vs_sdpa": 1.2, "step_vs_sdpa": 1.05}  # at most
+PATH_HEAD = r"^.*?/(?=lowprec/|torch/|triton/)"  # a profiled function's file, shown from its package on
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=50, help="timed GPT steps per backend and round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of steps per backend")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the host path (cProfile) of each call at the first shape")
 
 
 def host_us(fn: Callable[[], object], device: str, calls: int) -> float:
@@ -81,6 +87,20 @@ def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list
                 row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
             rows.append(row)
     return rows
+
+
+def host_profile(fn: Callable[[], object], calls: int, top: int = 20) -> list[dict]:
+    """The `top` functions by own host time over `calls` calls of `fn` (cProfile, after one untimed call):
+    "function" (file:line(name), the path from lowprec/ or site-packages/ on), calls per call of `fn`, own
+    and cumulative microseconds per call of `fn` (cProfile's own cost included)."""
+    fn()
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: [fn() for _ in range(calls)])
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cum s, ...)}
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{re.sub(PATH_HEAD, '', file)}:{line}({name})", "calls": round(n / calls, 2),
+             "own_us": round(own * 1e6 / calls, 2), "cum_us": round(cum * 1e6 / calls, 2)}
+            for (file, line, name), (_, n, own, cum, _) in rows]
 
 
 def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, rounds: int) -> dict[str, list]:
@@ -164,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for b, h, n in itertools.product(args.batch, args.heads, args.seq):
         record["calls"] += call_rows(b, h, n, device, 1 if args.smoke else CALLS)
+    if args.profile:
+        shape = (args.batch[0], args.heads[0], args.seq[0])
+        fns, _ = calls_of(functools.partial(attention, backend=IMPLS["triton"]), *shape, 64, True, device)
+        record["profile"] = {"impl": "triton", "shape": shape, "calls": CALLS,
+                             **{mode: host_profile(fns[mode], 1 if args.smoke else CALLS)
+                                for mode in ("fwd", "fwd+bwd")}}
     steps = {name: gpt_step(spec, batch, block_size, device, args.smoke) for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
     record["summary"] = summary(record["calls"], record["step"]["ms"])
