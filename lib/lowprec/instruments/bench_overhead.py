@@ -91,7 +91,7 @@ def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list
 
 def host_profile(fn: Callable[[], object], calls: int, top: int = 20) -> list[dict]:
     """The `top` functions by own host time over `calls` calls of `fn` (cProfile, after one untimed call):
-    "function" (file:line(name), the path from lowprec/ or site-packages/ on), calls per call of `fn`, own
+    "function" (file:line(name), the path from lowprec/, torch/ or triton/ on), calls per call of `fn`, own
     and cumulative microseconds per call of `fn` (cProfile's own cost included)."""
     fn()
     profiler = cProfile.Profile()
@@ -187,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         shape = (args.batch[0], args.heads[0], args.seq[0])
         fns, _ = calls_of(functools.partial(attention, backend=IMPLS["triton"]), *shape, 64, True, device)
-        record["profile"] = {"impl": "triton", "shape": shape, "calls": CALLS,
-                             **{mode: host_profile(fns[mode], 1 if args.smoke else CALLS)
+        calls = 1 if args.smoke else CALLS
+        record["profile"] = {"impl": "triton", "shape": shape, "calls": calls,
+                             **{mode: host_profile(fns[mode], calls)
                                 for mode in ("fwd", "fwd+bwd")}}
     steps = {name: gpt_step(spec, batch, block_size, device, args.smoke) for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)

@@ -200,7 +200,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{rate(*tally(fixed, 'runaway'), 'seeds')} and exploded at {LARGE:,} tokens per step. Summing the "
         f"rounded weights into $\\ell$ (`consistent`) stopped the loss spike of one 3-bit-$\\bar P$ run but "
         f"not its runaway (one seed), and in bf16 training on the production placement (`fa2-consistent`) "
-        f"{rate(*tally(cons_fa2, 'runaway'))} ran away and exploded (step "
+        f"{rate(*tally(cons_fa2, 'runaway'))} ran away and exploded (runaway at "
         f"{', '.join(f'{r.runaway:,}' for r in cons_fa2)}; the stop rule at "
         f"{', '.join(f'{r.explosion:,}' for r in cons_fa2)}) where `fa2` did not in "
         f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 (`attn-fp32`) "
