@@ -6,8 +6,8 @@ Every refusal keeps the error contract: one line `lowprec <command>: <message>` 
 traceback; every resume that goes on ends bit-identical to the run that was never interrupted.
 
 Each command runs as `python -m lowprec.cli` would, in a process of its own: `python -m lowprec.cli` for the
-base runs and the harnesses, the others forked from one warm interpreter that has imported the command modules
-(`WARM`), which saves torch's 3 s import per command and keeps this file near two minutes on 2 cores.
+base run and the harnesses, the others (and the full-disk and data-prepare tests' scripts) forked from one
+warm interpreter that has imported the command modules (`WARM`), which saves torch's 3 s import per command.
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ RECORD = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
 SMOKE = [arg for s in ("max_iters=4", "log_interval=2", "ckpt_interval=2", "ckpt_keep=true",
                        "eval_interval=0", "telemetry_interval=0") for arg in ("--set", s)]
 
-# One command per line on stdin ({"args", "cwd", "env", "fsize", "kill_after", "kill_from", "stdout",
-# "stderr"}); each runs in a fork, as `python -m lowprec.cli ARGS` runs (`sys.exit(cli.main())`, an uncaught
-# exception printed with its traceback and exit status 1); its exit status goes back on stdout (-9: SIGKILL).
-# `fsize` caps the size of any file it writes; `kill_after` (seconds, null: never) kills it with SIGKILL if it
-# still runs then, counted from its start or from when the file `kill_from` appears.
+# One command per line on stdin ({"args", "code", "cwd", "env", "fsize", "pipe", "kill_after", "kill_from",
+# "stdout", "stderr"}); each runs in a fork, as `python -m lowprec.cli ARGS` runs (`sys.exit(cli.main())`, an
+# uncaught exception printed with its traceback and exit status 1), or, given `code`, as `python -c CODE ARGS`
+# runs; its exit status goes back on stdout (-9: SIGKILL). `fsize` caps the size of any file it writes;
+# `pipe`: its stdout and stderr go to a pipe that the warm interpreter copies into their files (a file size
+# limit does not reach a pipe); `kill_after` (seconds, null: never) kills it with SIGKILL if it still runs
+# then, counted from its start or from when the file `kill_from` appears.
 WARM = """
-import importlib, json, os, resource, signal, sys, time, traceback
+import fcntl, importlib, json, os, resource, signal, sys, time, traceback
 import torch._inductor.config  # what a trainer imports first (1.5 s)
 from lowprec import cli
 for entry in cli.COMMANDS.values():  # every command's module, imported once before the forks
@@ -51,18 +53,23 @@ for entry in cli.COMMANDS.values():  # every command's module, imported once bef
         importlib.import_module(module)
 for line in sys.stdin:
     job = json.loads(line)
+    pipes = {fd: os.pipe() for fd in (1, 2)} if job["pipe"] else {}
     pid = os.fork()
     if pid == 0:
         os.chdir(job["cwd"])
         os.environ.update(job["env"])
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(pipes[fd][1] if pipes else os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
         if job["fsize"]:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (job["fsize"], job["fsize"]))
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            os.dup2(os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv = ["lowprec", *job["args"]]
+        sys.argv = ["-c" if job["code"] else "lowprec", *job["args"]]
         try:
-            code = cli.main(job["args"])
+            if job["code"]:
+                exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+                code = 0
+            else:
+                code = cli.main(job["args"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
@@ -71,8 +78,23 @@ for line in sys.stdin:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    copies = {}
+    for fd, (read, write) in pipes.items():
+        os.close(write)
+        fcntl.fcntl(read, fcntl.F_SETFL, os.O_NONBLOCK)
+        copies[read] = open(job["stdout" if fd == 1 else "stderr"], "wb")
+
+    def drain():
+        for read, copy in copies.items():
+            try:
+                while chunk := os.read(read, 65536):
+                    copy.write(chunk)
+            except BlockingIOError:
+                pass
+
     since = None if job["kill_from"] else time.monotonic()
     while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+        drain()
         if since is None and os.path.exists(job["kill_from"]):
             since = time.monotonic()
         if None not in (since, job["kill_after"]) and time.monotonic() - since > job["kill_after"]:
@@ -80,6 +102,10 @@ for line in sys.stdin:
             ended = os.waitpid(pid, 0)
             break
         time.sleep(0.001)
+    drain()
+    for read, copy in copies.items():
+        os.close(read)
+        copy.close()
     print(os.waitstatus_to_exitcode(ended[1]), flush=True)
 """
 
@@ -106,14 +132,14 @@ def warm(tmp_path_factory):
                             text=True, env=ENV, cwd=ROOT)
     count = 0
 
-    def lowprec(*args: str, cwd: Path = ROOT, env: dict | None = None, fsize: int = 0,
-                kill_after: float | None = None, kill_from: Path | None = None) -> Result:
+    def lowprec(*args: str, code: str = "", cwd: Path = ROOT, env: dict | None = None, fsize: int = 0,
+                pipe: bool = False, kill_after: float | None = None, kill_from: Path | None = None) -> Result:
         nonlocal count
         count += 1
         out, err = logs / f"{count}.out", logs / f"{count}.err"
-        job = {"args": [str(a) for a in args], "cwd": str(cwd), "env": env or {}, "fsize": fsize,
-               "kill_after": kill_after, "kill_from": str(kill_from or ""), "stdout": str(out),
-               "stderr": str(err)}
+        job = {"args": [str(a) for a in args], "code": code, "cwd": str(cwd), "env": env or {},
+               "fsize": fsize, "pipe": pipe, "kill_after": kill_after, "kill_from": str(kill_from or ""),
+               "stdout": str(out), "stderr": str(err)}
         out.touch()  # there even for a command killed before it opened them
         err.touch()
         proc.stdin.write(json.dumps(job) + "\n")
@@ -472,12 +498,11 @@ def test_resume_checks_the_metrics_against_the_checkpoint(warm, base, tmp_path, 
 
 
 @pytest.fixture(scope="module")
-def stranger(tmp_path_factory) -> Path:
+def stranger(warm, tmp_path_factory) -> Path:
     """Another run of base's config and length, with another seed."""
     out = tmp_path_factory.mktemp("stranger") / "run"
-    command = [sys.executable, "-m", "lowprec.cli", "train", "--config", "smoke-cpu", "--out", out, *SMOKE,
-               "--set", "seed=7"]
-    subprocess.run(command, env=ENV, cwd=ROOT, check=True, capture_output=True)
+    made = warm("train", "--config", "smoke-cpu", "--out", out, *SMOKE, "--set", "seed=7")
+    assert made.code == 0, made.err
     return out
 
 
@@ -564,12 +589,10 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def test_a_full_disk_at_the_first_byte_names_the_file(tmp_path):
+def test_a_full_disk_at_the_first_byte_names_the_file(warm, tmp_path):
     """Run with its stderr on a pipe, which a file size limit does not reach."""
-    command = [sys.executable, "-c", FULL_DISK, "train", "--config", "smoke-cpu", "--out", tmp_path / "run",
-               *SMOKE]
-    done = subprocess.run(command, env=ENV, cwd=ROOT, capture_output=True, text=True)
-    Result(done.returncode, done.stdout, done.stderr).one_line_error("train", f"cannot write {tmp_path}")
+    warm("train", "--config", "smoke-cpu", "--out", tmp_path / "run", *SMOKE, code=FULL_DISK,
+         pipe=True).one_line_error("train", f"cannot write {tmp_path}")
 
 
 QUEUE = {"config": "smoke-cpu", "horizon": 100000, "overrides": ["log_interval=1", "telemetry_interval=0",
@@ -614,16 +637,14 @@ def test_a_killed_harness_ends_its_runs_and_records_what_happened(tmp_path):
     assert log["state"] == "stopped" and log["runs"]["attn-fp32-s1"]["exit_code"] == 130
 
 
-def test_a_data_prepare_killed_outright_leaves_nothing_behind(tmp_path):
+def test_a_data_prepare_killed_outright_leaves_nothing_behind(warm, tmp_path):
     """SIGKILL mid-write leaves the split files' temporaries; the next writer of the folder removes them."""
     out = tmp_path / "tok"
-    script = KILL_MID_WRITE.replace("signal.SIGTERM", "signal.SIGKILL")
-    result = subprocess.run([sys.executable, "-c", script, str(out)], env=ENV, capture_output=True, text=True)
-    assert result.returncode == -signal.SIGKILL, result.stderr
+    result = warm(out, code=KILL_MID_WRITE.replace("signal.SIGTERM", "signal.SIGKILL"))
+    assert result.code == -signal.SIGKILL, result.err
     assert sorted(p.name.split(".")[1] for p in out.iterdir()) == ["train", "val"]  # the temporaries
-    result = subprocess.run([sys.executable, "-c", KILL_MID_WRITE.replace("os.kill", "print"), str(out)],
-                            env=ENV, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    result = warm(out, code=KILL_MID_WRITE.replace("os.kill", "print"))
+    assert result.code == 0, result.err
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "train.bin", "val.bin"]
 
 
