@@ -207,8 +207,11 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected
             print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
         if args.dry_run or not running:
             break
-        time.sleep(5)
-        if int(time.monotonic() - t0) % 60 < 5:
+        minute = int((time.monotonic() - t0) // 60)
+        wake = time.monotonic() + 5  # or as soon as a run ends, so that the next one starts at once
+        while time.monotonic() < wake and all(procs[n].poll() is None for n in running):
+            time.sleep(0.1)
+        if int((time.monotonic() - t0) // 60) > minute:
             print(f"[{time.monotonic() - t0:5.0f}s] running {', '.join(running)}", flush=True)
         if time.monotonic() - t0 > budget:
             print("budget spent: stopping the runs still going (they stay planned)", flush=True)
