@@ -1,7 +1,7 @@
 """Time a few hundred steps of one arm of a study queue's recipe and project its time to the queue's horizon.
 
     python3 scripts/time_arm.py --queue results/explode/survival/queue.json --arm model-fp32 --steps 300 \
-        --work /tmp/study --out $OUT/time-model-fp32.json
+        --work /tmp/study --out FILE
 
 Runs `lowprec train` with the queue's overrides for (arm, seed 1) and max_iters=steps, then writes tokens/s
 after step 100 (`reproducibility.steady_tokens_per_s`), the seconds to step 100 (compilation included) and
@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from lowprec.instruments.reproducibility import STEADY_FROM, steady_tokens_per_s
-from lowprec.instruments.study import load_queue, run_overrides
+from lowprec.instruments.study import load_queue, train_command
 from lowprec.runs import load_run, provenance
 
 
@@ -33,9 +32,8 @@ def main() -> int:
         parser.error(f"--steps must exceed {STEADY_FROM} (tokens/s is measured after step {STEADY_FROM})")
     queue = load_queue(args.queue)
     folder = args.work / f"time-{args.arm}"
-    sets = run_overrides({**queue, "horizon": args.steps}, {"arm": args.arm, "seed": 1})
-    cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out", str(folder),
-           *(x for item in sets for x in ("--set", item))]
+    args.work.mkdir(parents=True, exist_ok=True)
+    cmd = train_command({**queue, "horizon": args.steps}, {"arm": args.arm, "seed": 1}, folder)
     with open(args.work / f"time-{args.arm}.log", "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True)
     run = load_run(folder)

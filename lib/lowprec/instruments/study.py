@@ -64,6 +64,13 @@ def run_overrides(queue: dict, item: dict) -> list[str]:
             *arm_overrides(item["arm"]), *item.get("overrides", []), "progress=false"]
 
 
+def train_command(queue: dict, item: dict, folder: Path) -> list[str]:
+    """The `lowprec train` command of one run of the queue (`run_overrides`), its record in `folder`."""
+    sets = run_overrides(queue, item)
+    return [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out", str(folder),
+            *(x for o in sets for x in ("--set", o))]
+
+
 def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
     """("done", folder) for the first folder holding a record with an outcome at `horizon`, else ("planned",
     None) (or ("partial", folder) for a record that stopped short)."""
@@ -196,9 +203,7 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected
             folder = out / name
             if folder.exists():  # a partial record of an earlier budget: the run starts over
                 shutil.rmtree(folder)
-            sets = run_overrides(queue, r)
-            cmd = [sys.executable, "-m", "lowprec.cli", "train", "--config", queue["config"], "--out",
-                   str(folder), *(x for o in sets for x in ("--set", o))]
+            cmd = train_command(queue, r, folder)
             gpu = 0 if torch.cuda.is_available() else None
             threads = None if gpu == 0 else max(1, (os.cpu_count() or 1) // args.slots)
             procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)

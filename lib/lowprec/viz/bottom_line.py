@@ -126,6 +126,23 @@ def queue_progress(queue: Path) -> tuple[int, int, list[str]]:
     return len(done), len(rows), done
 
 
+def survival_arms(results: Path = RESULTS) -> dict[str, list[RunFacts]]:
+    """The attribution study's done runs (`queue_progress` of its survival queue) by arm, in name order."""
+    runs = explode_runs(results)
+    _, _, names = queue_progress(Path(results) / "explode" / "survival" / "queue.json")
+    arms: dict[str, list[RunFacts]] = {}
+    for name in sorted(names):
+        arms.setdefault(runs[f"survival/{name}"].arm, []).append(runs[f"survival/{name}"])
+    return arms
+
+
+def survival_repeats(results: Path = RESULTS) -> dict[str, tuple[Run, Run]]:
+    """The survival runs made again on a second machine (results/train/survival-repeat/), by name: (the
+    repeat, the run in the queue's folder)."""
+    return {path.name: (load_run(path), explode_records(results)[f"survival/{path.name}"])
+            for path in sorted((Path(results) / "train" / "survival-repeat").iterdir()) if path.is_dir()}
+
+
 def bottom_line(results: Path = RESULTS) -> str:
     """Five Markdown paragraphs, each number counted from the records under `results`; `StaleClaim` when a
     record contradicts a claim."""
@@ -178,10 +195,8 @@ def bottom_line(results: Path = RESULTS) -> str:
     fixed = select(runs, "paper64-fix")
     claim(tally(fixed, "runaway") == (3, 3), "the Fix: paper64-fix ran away in 3 of 3")
     claim(runs["bigbatch-fix/paper64-fix-s1337"].explosion is not None, "the Fix exploded at 262k")
-    sv_done, sv_total, sv_names = queue_progress(results / "explode" / "survival" / "queue.json")
-    study_arms: dict[str, list[RunFacts]] = {}
-    for name in sorted(sv_names):
-        study_arms.setdefault(runs[f"survival/{name}"].arm, []).append(runs[f"survival/{name}"])
+    sv_done, sv_total, _ = queue_progress(results / "explode" / "survival" / "queue.json")
+    study_arms = survival_arms(results)
     fp32_attn, cons_fa2, plain_fa2 = (study_arms.get(arm, [])
                                       for arm in ("attn-fp32", "fa2-consistent", "fa2"))
     claim(fp32_attn and all(r.steps >= 8000 and r.first_layer is None for r in fp32_attn),
@@ -222,13 +237,11 @@ def bottom_line(results: Path = RESULTS) -> str:
     det, default = repro["twins"]["deterministic"], repro["twins"]["default"]
     claim(det["identical_weights"] and not default["identical_weights"],
           "deterministic twins agree, default-mode twins do not")
-    again = {path.name: load_run(path) for path in sorted((results / "train" / "survival-repeat").iterdir())
-             if path.is_dir()}
-    first = {name: explode_records(results)[f"survival/{name}"] for name in again}
+    again = survival_repeats(results)
     claim(len(again) == 2 and all(
-        first_difference(run, first[name], None) is None
-        and run.summary["weights_sha256"] == first[name].summary["weights_sha256"]
-        for name, run in again.items()), "two survival runs made twice: same values, same weights")
+        first_difference(run, first, None) is None
+        and run.summary["weights_sha256"] == first.summary["weights_sha256"]
+        for run, first in again.values()), "two survival runs made twice: same values, same weights")
     untested = (
         f"**Untested.** The learning rate and QK-LayerNorm ({lr_done} of the {lr_total} runs of that study "
         f"are done), QK-clip, z-loss, fp32 throughout (`model-fp32`) and larger models (none ran past "
