@@ -2,12 +2,17 @@
 # The attribution study on a GPU machine (results/explode/survival/queue.json), in phases so that its work
 # outlives one device call:
 #   PHASE=unpack SHARDS=.carry/cN  applies one carried shard folder of the corpus to data/gpt2-english+code
+#   PHASE=probe [ARM=model-fp32]   in its own process session, while later shards travel (the GPU idles):
+#                                  scripts/time_arm.py times 300 steps of ARM (the committed sample in place of
+#                                  the corpus: same model and batch), then `lowprec bench overhead --profile`
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, SLOTS runs at a time
-#                                  (default 1; four at once gave 1.12x the tokens/s of one alone)
+#                                  (default 1; four at once gave 1.12x the tokens/s of one alone); after a probe
+#                                  (waited for, at most 120 s) ARM's estimate is its projected time + 60 s
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds, then packs (below)
-#   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz
+#   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
+#                                  $OUT/probe.tgz
 # QUEUE (default results/explode/survival/queue.json) names the queue; its records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
@@ -19,7 +24,25 @@ mkdir -p "$WORK"
 case "$PHASE" in
 unpack)
   python3 -m lowprec.cli data unpack "$SHARDS" --out "$DATA" ;;
+probe)
+  # shellcheck disable=SC2016
+  setsid nohup bash -c '
+    python3 scripts/time_arm.py --queue "$1" --arm "$2" --steps 300 --work "$3" --set data=sample:bytes \
+      --out "$3/time-$2.json"
+    python3 -m lowprec.cli bench overhead --profile --out "$3/overhead.json"
+  ' probe "$QUEUE" "${ARM:-model-fp32}" "$WORK" > "$WORK/probe.log" 2>&1 < /dev/null &
+  echo $! > "$WORK/probe.pid"
+  echo "probe started (pid $!)" ;;
 go)
+  estimate=()
+  if [ -e "$WORK/probe.pid" ]; then
+    for _ in $(seq 120); do kill -0 "$(cat "$WORK/probe.pid")" 2> /dev/null || break; sleep 1; done
+    kill -- -"$(cat "$WORK/probe.pid")" 2> /dev/null && echo "probe stopped (it outran 120 s)"
+    arm=${ARM:-model-fp32}
+    [ -e "$WORK/time-$arm.json" ] && estimate=(--estimate "$arm=$(python3 -c \
+      'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
+    echo "probe: ${estimate[*]:-no estimate}"
+  fi
   # shellcheck disable=SC2016
   setsid nohup bash -c '
     set -u; end=$(( $(date +%s) + $1 * 60 )); work=$2
@@ -32,8 +55,8 @@ go)
     left=$(( (end - $(date +%s)) / 60 - 1 ))
     echo "study: $left minutes, $slots at a time"
     [ "$left" -gt 0 ] && python3 -m lowprec.cli experiment study --queue "$3" --out "$work/$4" \
-      --minutes "$left" --slots "$slots"
-  ' go "$MINUTES" "$WORK" "$QUEUE" "$NAME" > "$WORK/go.log" 2>&1 < /dev/null &
+      --minutes "$left" --slots "$slots" "${@:5}"
+  ' go "$MINUTES" "$WORK" "$QUEUE" "$NAME" "${estimate[@]}" > "$WORK/go.log" 2>&1 < /dev/null &
   echo $! > "$WORK/go.pid"
   echo "started (pid $!)" ;;
 wait|pack)
@@ -46,7 +69,10 @@ wait|pack)
   [ -d "$NAME" ] && tar czf "$OUT/$NAME.tgz" --exclude=checkpoint --exclude=writer.lock "$NAME"
   [ -e reproducibility.json ] && tar czf "$OUT/repro.tgz" --exclude=checkpoint --exclude=writer.lock \
     reproducibility.json repro go.log
+  # shellcheck disable=SC2046
+  [ -e probe.log ] && tar czf "$OUT/probe.tgz" --exclude=checkpoint --exclude=writer.lock probe.log time-* \
+    $(ls overhead.json 2> /dev/null)
   ls -la "$OUT" ;;
 *)
-  echo "PHASE must be unpack, go, wait or pack" >&2; exit 2 ;;
+  echo "PHASE must be unpack, probe, go, wait or pack" >&2; exit 2 ;;
 esac

@@ -51,6 +51,12 @@ def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):
     study = ["experiment", "study", "--queue", str(queue), "--out", str(out)]
     assert lowprec_main([*study, "--minutes", "5"]) == 0
     assert not (out / "model-fp32-s1").exists()  # an hour's run does not start in five minutes
+    capsys.readouterr()  # a measured time in place of the queue's estimate: it would start
+    assert lowprec_main([*study, "--minutes", "5", "--dry-run", "--estimate", "model-fp32=60"]) == 0
+    assert "would start model-fp32-s1" in capsys.readouterr().out
+    for bad in ("fa2=60", "model-fp32=soon", "model-fp32=0"):
+        assert lowprec_main([*study, "--dry-run", "--estimate", bad]) == 2
+        assert f"--estimate {bad!r}: expected GROUP=SECONDS" in capsys.readouterr().err
     # a record cut short (a budget ended it) has no outcome: it stays planned and starts over
     assert lowprec_main(["train", "--config", "smoke-cpu", "--out", str(out / "model-fp32-s1"),
                          *sum((["--set", o] for o in [*RECIPE, "max_iters=4", "dtype=float32",

@@ -136,10 +136,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="print what would start, and exit")
     parser.add_argument("--grace", type=option(float, 0), default=30.0,
                         help="seconds a stopped run may take to end")
+    parser.add_argument("--estimate", action="append", default=[], metavar="GROUP=SECONDS",
+                        help="a group's time alone in seconds, in place of the queue's estimate_s (e.g. one "
+                             "measured with scripts/time_arm.py); repeatable")
+
+
+def estimates(items: list[str], queue: dict) -> dict[str, float]:
+    """--estimate's GROUP=SECONDS items as {group: seconds}, each group one of the queue's."""
+    groups = {group(item) for item in queue["runs"]}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if name not in groups or not seconds > 0:
+            raise ValueError(f"--estimate {item!r}: expected GROUP=SECONDS with GROUP one of "
+                             f"{sorted(groups)} and SECONDS > 0")
+        out[name] = seconds
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     queue = load_queue(args.queue)
+    queue["estimate_s"] = {**queue["estimate_s"], **estimates(args.estimate, queue)}
     home = Path(args.queue).parent
     out = Path(args.out) if args.out else None
     if args.status:
