@@ -71,6 +71,9 @@ def test_first_layer_takes_the_lowest_of_one_sample(tmp_path) -> None:
                                 logit=lambda s: [[2e3 if s >= 500 else 1.0] * 3, logits(s)[1]]))
     none = load_run(write_run(tmp_path / "none", logit=lambda s: [[1.0] * 3] * 2))
     assert analysis.first_layer(both) == 0 and analysis.first_layer(first0) == 0
+    # the runaway is any layer's; a layer's own onset is asked for by index
+    assert analysis.runaway_step(first0) == 500 and analysis.runaway_step(first0, layer=1) == 2000
+    assert analysis.first_past(first0) == (500, 0) and analysis.first_past(first0, until=450) is None
     assert analysis.first_layer(none) is None and analysis.runaway_step(none) is None
 
 

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 from lowprec.analysis import runaway_step, wilson
 from lowprec.runs import load_run
-from lowprec.viz.bottom_line import RESULTS, STUDY, StaleClaim, bias_noise_sources, bottom_line, hunt_records
+from lowprec.viz.bottom_line import (
+    RESULTS,
+    STUDY,
+    StaleClaim,
+    bias_noise_sources,
+    bottom_line,
+    explode_records,
+    explode_runs,
+    hunt_records,
+)
 
 HEADS = ("**What fails.**", "**Why, as far as the records show.**", "**What to change.**", "**Untested.**",
          "**Where each is shown.**")
@@ -57,7 +66,8 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     stated_steps = f"runaway at steps {steps[0]} and {steps[1]}, the stop rule at {steps[2]} and {steps[3]}"
     assert stated_steps in lines[0]
     queue = json.loads((EXPLODE / "lr-qknorm" / "queue.json").read_text())
-    assert f"0 of the {len(queue['runs'])} runs" in lines[3]
+    done = [f for f in (EXPLODE / "lr-qknorm").iterdir() if (f / "summary.json").is_file()]
+    assert f"done: {len(done)} of the {len(queue['runs'])} runs" in lines[3]
 
 
 def synthetic(tmp_path: Path) -> Path:
@@ -74,6 +84,12 @@ def synthetic(tmp_path: Path) -> Path:
     return results
 
 
+def forget() -> None:
+    """Drop the records read so far (a test changed them under the same folder)."""
+    explode_records.cache_clear()
+    explode_runs.cache_clear()
+
+
 def test_a_contradicting_record_raises(tmp_path: Path) -> None:
     results = synthetic(tmp_path)
     record = results / "train" / "reproducibility.json"
@@ -83,11 +99,16 @@ def test_a_contradicting_record_raises(tmp_path: Path) -> None:
     with pytest.raises(StaleClaim, match="default-mode twins"):
         bottom_line(results)
     shutil.copy(RESULTS / "train" / "reproducibility.json", record)
-    queue = json.loads((results / "explode" / "lr-qknorm" / "queue.json").read_text())
-    first = queue["runs"][0]  # a done run of the learning-rate study: "0 done" is stale
-    (results / "explode" / "lr-qknorm" / f"{first['arm']}-{first['tag']}-s{first['seed']}").symlink_to(
-        EXPLODE / "survival" / "fa2-s1")
-    with pytest.raises(StaleClaim, match="learning-rate"):
+    lr = results / "explode" / "lr-qknorm"
+    (lr / "attn-fp32-lr8e-3-s1").symlink_to(EXPLODE / "survival" / "attn-fp32-s1")  # fp32 at 8e-3, done
+    forget()
+    with pytest.raises(StaleClaim, match="no fp32 run at another learning rate"):
+        bottom_line(results)
+    (lr / "attn-fp32-lr8e-3-s1").unlink()
+    shutil.rmtree(lr / "fa2-lr8e-3-s1")  # fa2 at 8e-3 without a runaway: "ran away" is stale
+    (lr / "fa2-lr8e-3-s1").symlink_to(EXPLODE / "survival" / "fa2-s1")
+    forget()
+    with pytest.raises(StaleClaim, match="fa2 at 8e-3 ran away"):
         bottom_line(results)
 
 

@@ -61,6 +61,8 @@ def test_outcome_finds_the_first_layer_past_the_threshold() -> None:
     calm = {s: [10.0, 20.0, 5.0] for s in range(0, 1000, 50)}
     run = fake_run({**calm, 400: [10.0, 1500.0, 900.0], 450: [2e3, 5e4, 3e3]}, steps=1000)
     assert outcome(run, horizon=1000) == Outcome(runaway=400, layer=1, explosion=None, observed=1000)
+    both = fake_run({**calm, 400: [10.0, 1500.0, 3e3]}, steps=1000)  # two past at once: the lower index
+    assert outcome(both, horizon=1000) == Outcome(runaway=400, layer=1, explosion=None, observed=1000)
     assert outcome(fake_run(calm, steps=1000), 1000) == Outcome(None, None, None, 1000)
     exploded = outcome(fake_run({**calm, 600: [1e4, 1.0, 1.0]}, steps=720, diverged=720), horizon=1000)
     assert exploded == Outcome(600, 0, 720, 720)

@@ -1,9 +1,9 @@
 """Analysis of recorded runs for the book and the experiments: signed-error statistics (`ErrorStats`),
-per-head t-scores of the δ error, the paper's signature, the logits' onsets (runaways, `first_over`,
-`first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a run's events and
-recipe (`outcomes`, `recipe`), several experiment folders' runs at once (`experiment_runs`), criterion
-records (`criterion`, `combined_z`, `layer_t2`), one-line run summaries, and the survival statistics of many
-runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`).
+per-head t-scores of the δ error, the paper's signature, the logits' onsets (runaways, `first_past`,
+`first_over`, `first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a
+run's events and recipe (`outcomes`, `recipe`), several experiment folders' runs at once
+(`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line run summaries, and
+the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -114,17 +114,32 @@ def first_over(run: Run, layer: int = 1, threshold: float = RUNAWAY_LOGIT) -> di
     return firsts
 
 
-def runaway_step(run: Run, layer: int = 1, threshold: float = RUNAWAY_LOGIT) -> int | None:
-    """The runaway: first telemetry step at which `layer`'s largest logit (over heads and sampled rows)
-    passes `threshold` (None if never), the first of `first_over`; layer 1 is the paper's "layer 2"."""
+def first_past(run: Run, threshold: float = RUNAWAY_LOGIT,
+               until: int | None = None) -> tuple[int, int] | None:
+    """(step, layer) of the first telemetry sample (at most `until`) at which any layer's largest logit passes
+    `threshold`, the layer the lowest index of those past it; None if none does."""
+    for step, sample in zip(*run.telemetry("max_logit"), strict=True):
+        if until is not None and step > until:
+            return None
+        past = [i for i, layer in enumerate(sample) if max(layer) > threshold]
+        if past:
+            return step, past[0]
+    return None
+
+
+def runaway_step(run: Run, layer: int | None = None, threshold: float = RUNAWAY_LOGIT) -> int | None:
+    """The runaway: first telemetry step at which any layer's largest logit (over heads and sampled rows)
+    passes `threshold` (`first_past`), or, given `layer`, that layer's (the first of `first_over`; layer 1
+    is the paper's "layer 2"); None if never."""
+    if layer is None:
+        return (first_past(run, threshold) or (None,))[0]
     return min(first_over(run, layer, threshold).values(), default=None)
 
 
 def first_layer(run: Run, threshold: float = RUNAWAY_LOGIT) -> int | None:
     """Index of the first layer whose largest logit passes `threshold` (the lowest, if several at one
     sample; None if none does)."""
-    return next((min(i for i, layer in enumerate(sample) if max(layer) > threshold)
-                 for sample in run.telemetry("max_logit")[1] if max(map(max, sample)) > threshold), None)
+    return (first_past(run, threshold) or (None, None))[1]
 
 
 def moving_mean(values: list[float], window: int = SPIKE_WINDOW) -> list[float]:
@@ -190,7 +205,7 @@ def first_difference(run: Run, other: Run, keys: tuple[str, ...] | None = ("loss
 
 
 def outcomes(run: Run) -> dict:
-    """A run's three events and its length: the runaway (`runaway_step`, layer index 1), the spike
+    """A run's three events and its length: the runaway (`runaway_step`, any layer), the spike
     (`loss_spike`), the explosion (the trainer's stop rule, from its summary) and the steps it reached (from
     its summary, or after its last logged step where the record was cut off while running)."""
     steps = run.summary.get("steps")
@@ -326,8 +341,8 @@ def format_runs(runs: dict[str, dict]) -> str:
 @dataclass(frozen=True)
 class Outcome:
     """One run's events by a fixed horizon (steps are 0-based; None: not reached). `observed`: the steps the
-    run was watched for a runaway (the horizon, or the step the stop rule ended it at). `layer`: the layer
-    whose largest logit was highest at the runaway."""
+    run was watched for a runaway (the horizon, or the step the stop rule ended it at). `layer`: the first
+    layer past the threshold (`first_past`)."""
 
     runaway: int | None
     layer: int | None
@@ -336,7 +351,7 @@ class Outcome:
 
 
 def outcome(run: Run, horizon: int, threshold: float = RUNAWAY_LOGIT) -> Outcome:
-    """The runaway (first telemetry step at which any layer's largest logit passes `threshold`) and the
+    """The runaway (`first_past` by the end of the observed steps) and the
     explosion (the trainer's stop rule) of a run that reached `horizon` steps or exploded before it;
     ValueError for a run that stopped short of both (its outcome is unknown, not "no event")."""
     exploded = run.summary.get("diverged_step")
@@ -346,11 +361,8 @@ def outcome(run: Run, horizon: int, threshold: float = RUNAWAY_LOGIT) -> Outcome
                          f"horizon {horizon} without an explosion: its outcome is unknown")
     explosion = exploded if exploded is not None and exploded < horizon else None
     observed = horizon if explosion is None else explosion
-    for step, sample in zip(*run.telemetry("max_logit"), strict=True):
-        peaks = [max(layer) for layer in sample]
-        if step <= observed and max(peaks) > threshold:
-            return Outcome(step, peaks.index(max(peaks)), explosion, observed)
-    return Outcome(None, None, explosion, observed)
+    step, layer = first_past(run, threshold, until=observed) or (None, None)
+    return Outcome(step, layer, explosion, observed)
 
 
 def event_times(outcomes: list[Outcome], event: str) -> tuple[list[int], list[bool]]:

@@ -4,7 +4,8 @@ what is untested, where each is shown), every number counted from the committed 
 `bottom_line` checks each claim it words against the records and raises `StaleClaim` when one no longer
 holds, so the text cannot go stale silently. `explode_records` reads every training run under
 results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
-runaway, spike, explosion); `select`, `tally`, `rate` and `queue_progress` count them for the chapters too.
+runaway, spike, explosion); `select`, `tally`, `rate`, `queue_progress` and `study_groups` count them for
+the chapters too.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def claim(holds: bool, what: str) -> None:
 
 @dataclass(frozen=True)
 class RunFacts:
-    """One training run of the hunt. `runaway`: the first telemetry step at which layer index 1's largest
-    logit passed 1e3, `first_layer`: the layer that passed it first (any layer); `spike`: the moving-mean
+    """One training run under results/explode/. `runaway`: the first telemetry step at which any layer's
+    largest logit passed 1e3, `first_layer`: the layer that passed it first; `spike`: the moving-mean
     rule (`analysis.loss_spike`); `explosion`: the trainer's stop rule (None: never)."""
 
     name: str
@@ -126,14 +127,15 @@ def queue_progress(queue: Path) -> tuple[int, int, list[str]]:
     return len(done), len(rows), done
 
 
-def survival_arms(results: Path = RESULTS) -> dict[str, list[RunFacts]]:
-    """The attribution study's done runs (`queue_progress` of its survival queue) by arm, in name order."""
+def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, list[RunFacts]]:
+    """The done runs of one of the attribution study's queues (`STUDY`; `queue_progress`) by group (the arm,
+    and a grid cell's tag: "fa2-lr8e-3"), in name order."""
     runs = explode_runs(results)
-    _, _, names = queue_progress(Path(results) / "explode" / "survival" / "queue.json")
-    arms: dict[str, list[RunFacts]] = {}
+    _, _, names = queue_progress(Path(results) / "explode" / queue / "queue.json")
+    groups: dict[str, list[RunFacts]] = {}
     for name in sorted(names):
-        arms.setdefault(runs[f"survival/{name}"].arm, []).append(runs[f"survival/{name}"])
-    return arms
+        groups.setdefault(name.rsplit("-s", 1)[0], []).append(runs[f"{queue}/{name}"])
+    return groups
 
 
 def survival_repeats(results: Path = RESULTS) -> dict[str, tuple[Run, Run]]:
@@ -178,6 +180,12 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(len(big_fp32pv) == 2 and {r.seed for r in big_fp32pv} == {1337}
           and all(r.runaway and not r.explosion for r in big_fp32pv),
           "fp32pv at 262k: both runs of seed 1337 ran away, neither exploded")
+    study_arms = study_groups("survival", results)
+    lr_groups = study_groups("lr-qknorm", results)
+    high, plain_fa2 = lr_groups.get("fa2-lr8e-3", []), study_arms.get("fa2", [])
+    claim(high and all(r.runaway is not None for r in high), "fa2 at 8e-3 ran away in every run")
+    claim(not any(g.startswith(("attn-fp32", "model-fp32")) for g in lr_groups),
+          "no fp32 run at another learning rate")
     why = (
         f"**Why, as far as the records show.** Not the paper's biased rounding of $\\bar P V$ alone: with "
         f"it unrounded (`paper64-fp32pv`) {rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The "
@@ -186,7 +194,12 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{rate(*tally(fp32pv, 'runaway'))}. An fp32 $\\ell$ does not rule a runaway out: `fa2` keeps it in "
         f"fp32 and ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` "
         f"ran away in both runs of its one seed (without the stop rule). These are counts; no single run "
-        f"shows a cause.")
+        f"shows a cause. At four times the recipe's learning rate ($8 \\cdot 10^{{-3}}$) `fa2` ran away in "
+        f"{rate(*tally(high, 'runaway'))}: at step{'s' * (len(high) > 1)} "
+        f"{', '.join(f'{r.runaway:,}' for r in high)}, first in layer index "
+        f"{', '.join(str(r.first_layer) for r in high)}, where at the recipe's none of its {len(plain_fa2)} "
+        f"survival runs did in 8,000 steps; whether attention in fp32 runs away at that rate is not yet "
+        f"measured.")
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -196,11 +209,11 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(tally(fixed, "runaway") == (3, 3), "the Fix: paper64-fix ran away in 3 of 3")
     claim(runs["bigbatch-fix/paper64-fix-s1337"].explosion is not None, "the Fix exploded at 262k")
     sv_done, sv_total, _ = queue_progress(results / "explode" / "survival" / "queue.json")
-    study_arms = survival_arms(results)
-    fp32_attn, cons_fa2, plain_fa2 = (study_arms.get(arm, [])
-                                      for arm in ("attn-fp32", "fa2-consistent", "fa2"))
-    claim(fp32_attn and all(r.steps >= 8000 and r.first_layer is None for r in fp32_attn),
-          "attn-fp32: every survival run reached 8,000 steps without a runaway")
+    fp32_attn, fp32_model, cons_fa2 = (study_arms.get(arm, [])
+                                       for arm in ("attn-fp32", "model-fp32", "fa2-consistent"))
+    claim(fp32_attn and fp32_model and all(r.steps >= 8000 and r.first_layer is None
+                                           for r in (*fp32_attn, *fp32_model)),
+          "attn-fp32 and model-fp32: every survival run reached 8,000 steps without a runaway")
     claim(cons_fa2 and all(r.runaway and r.explosion for r in cons_fa2) and plain_fa2
           and not any(r.runaway for r in plain_fa2),
           "fa2-consistent ran away and exploded in every survival run, fa2 in none")
@@ -218,19 +231,19 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{rate(*tally(cons_fa2, 'runaway'))} ran away and exploded (runaway at "
         f"{', '.join(f'{r.runaway:,}' for r in cons_fa2)}; the stop rule at "
         f"{', '.join(f'{r.explosion:,}' for r in cons_fa2)}) where `fa2` did not in "
-        f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 (`attn-fp32`) "
-        f"reached 8,000 steps without a runaway ({len(fp32_attn)} run{'s' * (len(fp32_attn) > 1)}).")
+        f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 (`attn-fp32`) and "
+        f"no bf16 anywhere (`model-fp32`) reached 8,000 steps without a runaway (runs: {len(fp32_attn)} and "
+        f"{len(fp32_model)}): too few to say that a bf16 rounding point is needed for one.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
-    claim(lr_done == 0, "no learning-rate or QK-norm run done")
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
     claim(all(r.first_layer == 1 for r in went), "every survival runaway began in layer index 1")
     def onsets(group: list[RunFacts]) -> str:
         steps = [f"{r.runaway:,}" for r in group if r.runaway is not None]
         return f" (at step{'s' * (len(steps) > 1)} {', '.join(steps)})" if steps else ""
-    per_arm = "; ".join(f"`{arm}` {sum(r.runaway is not None for r in group)} of {len(group)}{onsets(group)}"
-                        for arm, group in sorted(study_arms.items()))
-    claim(not any(r.arm == "model-fp32" for r in runs.values()), "no model-fp32 run")
+    def per_group(groups: dict[str, list[RunFacts]]) -> str:
+        return "; ".join(f"`{name}` {tally(group, 'runaway')[0]} of {len(group)}{onsets(group)}"
+                         for name, group in sorted(groups.items()))
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
     claim(max(larger) < 3000, "no larger model trained past 3,000 steps")
     repro = json.loads((results / "train" / "reproducibility.json").read_text())
@@ -243,11 +256,11 @@ def bottom_line(results: Path = RESULTS) -> str:
         and run.summary["weights_sha256"] == first.summary["weights_sha256"]
         for run, first in again.values()), "two survival runs made twice: same values, same weights")
     untested = (
-        f"**Untested.** The learning rate and QK-LayerNorm ({lr_done} of the {lr_total} runs of that study "
-        f"are done), QK-clip, z-loss, fp32 throughout (`model-fp32`) and larger models (none ran past "
-        f"{max(larger):,} steps); of the "
-        f"survival study's {sv_total} runs, {sv_done} are done (runaways by arm: {per_arm}; every one "
-        f"in layer index 1). Same-seed runs in the older records are not repeatable: two default-mode "
+        f"**Untested.** QK-LayerNorm and the learning rate's threshold (done: {lr_done} of the {lr_total} "
+        f"runs of that study; runaways: {per_group(lr_groups)}), QK-clip, z-loss and larger models (none "
+        f"ran past {max(larger):,} steps); of the survival study's {sv_total} runs, {sv_done} are done "
+        f"(runaways by arm: {per_group(study_arms)}; every one in layer index 1). Same-seed runs in the "
+        f"older records are not repeatable: two default-mode "
         f"twins' logged losses differ by up to {default['max_logged_loss_gap']} "
         f"within {repro['steps']:,} steps, while the deterministic mode gave one weights hash for "
         f"{len(det['runs'])} runs, and two of the survival runs, made again on a second machine "

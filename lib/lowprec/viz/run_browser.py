@@ -19,7 +19,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from lowprec.analysis import RUNAWAY_LOGIT, loss_spike, moving_mean, runaway_step
+from lowprec.analysis import RUNAWAY_LOGIT, first_past, loss_spike, moving_mean
 from lowprec.runs import Run, list_runs, load_run
 from lowprec.viz.panels import LivePanel, add_menu_and_slider, dropdown, sig
 
@@ -75,12 +75,12 @@ def smoothed_loss(run: Run) -> tuple[list[int], list[float]]:
 
 def run_note(name: str, run: Run, spec: bool = True, sep: str = "; ") -> str:
     """Steps, the attention spec (if `spec`), runaway and spike steps, parts joined by `sep`."""
-    runaway, spike = runaway_step(run), loss_spike(run)["spike_step"]
+    hit, spike = first_past(run), loss_spike(run)["spike_step"]
     attention = f", attention {run.config['model']['attention']!r}" if spec else ""
-    runaway = "never" if runaway is None else f"at step {runaway:,}"
+    runaway = "never" if hit is None else f"at step {hit[0]:,} (layer index {hit[1]})"
     spike = "no loss spike" if spike is None else f"loss spike at step {spike:,}"
     return sep.join([f"{name}: {run.summary.get('steps'):,} steps{attention}",
-                     f"layer index 1 passes a logit of {RUNAWAY_LOGIT:g} {runaway}; {spike}"])
+                     f"a layer's largest logit passes {RUNAWAY_LOGIT:g} {runaway}; {spike}"])
 
 
 def _frame(title: str, subtitle: str = "", height: int = 1000, top: int = 110) -> go.Figure:
