@@ -7,19 +7,22 @@
 #                                  the corpus: same model and batch), then `lowprec bench overhead --profile`
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
-#                                  `lowprec experiment study` for what is left of M minutes, SLOTS runs at a time
-#                                  (default 1; four at once gave 1.12x the tokens/s of one alone); after a probe
+#                                  `lowprec experiment study` for what is left of M minutes, queue by queue
+#                                  (QUEUE may name several, the first for at most FIRST minutes), SLOTS runs at
+#                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone); after a probe
 #                                  (waited for, at most 120 s) ARM's estimate is its projected time + 60 s
-#   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds, then packs (below)
+#   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds (or until 580 s after CALL_START, the
+#                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
 #                                  $OUT/probe.tgz
-# QUEUE (default results/explode/survival/queue.json) names the queue; its records go to $WORK/<queue folder>.
+# QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues; a queue's
+# records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1
 WORK=${WORK:-/tmp/study}; DATA=data/gpt2-english+code
-QUEUE=${QUEUE:-results/explode/survival/queue.json}; NAME=$(basename "$(dirname "$QUEUE")")
+QUEUE=${QUEUE:-results/explode/survival/queue.json}
 mkdir -p "$WORK"
 case "$PHASE" in
 unpack)
@@ -51,22 +54,37 @@ go)
         --out "$work/reproducibility.json" --set lr=2e-3 --set warmup_iters=200 --set lr_decay_iters=30000 \
         --set data=data/gpt2-english+code
     fi
-    slots=${SLOTS:-1}
-    left=$(( (end - $(date +%s)) / 60 - 1 ))
-    echo "study: $left minutes, $slots at a time"
-    [ "$left" -gt 0 ] && python3 -m lowprec.cli experiment study --queue "$3" --out "$work/$4" \
-      --minutes "$left" --slots "$slots" "${@:5}"
-  ' go "$MINUTES" "$WORK" "$QUEUE" "$NAME" "${estimate[@]}" > "$WORK/go.log" 2>&1 < /dev/null &
+    slots=${SLOTS:-1}; first=1
+    for queue in $3; do
+      left=$(( (end - $(date +%s)) / 60 - 1 ))
+      [ "$left" -gt 0 ] || break
+      minutes=$left
+      [ "$first" = 1 ] && [ -n "${FIRST:-}" ] && [ "$FIRST" -lt "$left" ] && minutes=$FIRST
+      first=0
+      extra=()  # the measured estimate goes to the queue that has its arm
+      [ $# -gt 4 ] && grep -q "\"arm\": \"$4\"" "$queue" && extra=("${@:5}")
+      name=$(basename "$(dirname "$queue")")
+      echo "study $name: $minutes minutes, $slots at a time"
+      python3 -m lowprec.cli experiment study --queue "$queue" --out "$work/$name" --minutes "$minutes" \
+        --slots "$slots" "${extra[@]}"
+    done
+  ' go "$MINUTES" "$WORK" "$QUEUE" "${ARM:-model-fp32}" "${estimate[@]}" > "$WORK/go.log" 2>&1 < /dev/null &
   echo $! > "$WORK/go.pid"
   echo "started (pid $!)" ;;
 wait|pack)
   if [ "$PHASE" = wait ]; then
     end=$((SECONDS + ${WAIT_S:-540}))
+    # CALL_START=$(date +%s) at the head of a device call: the wait ends by 580 s into the call, in time to pack
+    [ -n "${CALL_START:-}" ] && end=$(( end < SECONDS + CALL_START + 580 - $(date +%s) ? end
+                                        : SECONDS + CALL_START + 580 - $(date +%s) ))
     while [ $SECONDS -lt $end ] && kill -0 "$(cat "$WORK/go.pid")" 2> /dev/null; do sleep 5; done
     tail -n 25 "$WORK/go.log"
   fi
   cd "$WORK" || exit 1
-  [ -d "$NAME" ] && tar czf "$OUT/$NAME.tgz" --exclude=checkpoint --exclude=writer.lock "$NAME"
+  for queue in $QUEUE; do
+    name=$(basename "$(dirname "$queue")")
+    [ -d "$name" ] && tar czf "$OUT/$name.tgz" --exclude=checkpoint --exclude=writer.lock "$name"
+  done
   [ -e reproducibility.json ] && tar czf "$OUT/repro.tgz" --exclude=checkpoint --exclude=writer.lock \
     reproducibility.json repro go.log
   # shellcheck disable=SC2046
