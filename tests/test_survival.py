@@ -10,11 +10,13 @@ from lowprec.analysis import (
     event_times,
     kaplan_meier,
     log_rank,
+    lr_sweep,
     outcome,
     survival_table,
     wilson,
 )
 from lowprec.runs import Run
+from lowprec.viz.plots import lr_figure
 
 # Freireich et al. (1963), remission times in weeks: 6-MP (False = censored) against placebo; the log-rank
 # chi² of these two groups is 16.79 (Cox & Oakes; every survival-analysis textbook) and the Kaplan-Meier
@@ -87,3 +89,26 @@ def test_survival_table_counts_intervals_and_tests() -> None:
     assert p == pytest.approx(log_rank(event_times(ran, "runaway"), event_times(calm, "runaway"))[1])
     assert p < 0.01
     assert table["fa2"]["runaway"]["curve"][-1] == (1500, 0.0)
+
+
+def grid_run(lr: float, qkln: bool, peak: float, loss: float) -> Run:
+    """A 1,000-step run of a learning-rate grid: one layer whose largest logit is `peak` from step 500."""
+    run = fake_run({s: [peak if s >= 500 else 10.0] for s in range(0, 1000, 50)}, steps=1000)
+    return Run(run.path, {"lr": lr, "model": {"qk_layernorm": qkln}}, {}, run.metrics, [],
+               {**run.summary, "final_loss": loss})
+
+
+def test_lr_sweep_counts_runaways_by_series_and_rate() -> None:
+    groups = {"fa2-lr8e-3": [grid_run(8e-3, False, 2e3, 4.0), grid_run(8e-3, False, 50.0, 3.0),
+                             grid_run(8e-3, False, 3e3, 5.0)],
+              "fa2-lr1e-3": [grid_run(1e-3, False, 40.0, 2.0)],
+              "fa2-lr8e-3-qkln": [grid_run(8e-3, True, 30.0, 2.5)]}
+    sweep = lr_sweep(groups, horizon=1000)
+    assert sweep == {"fa2": [{"lr": 1e-3, "runs": 1, "runaways": 0, "final_loss": 2.0},
+                             {"lr": 8e-3, "runs": 3, "runaways": 2, "final_loss": 4.0}],
+                     "fa2 + QK-LayerNorm": [{"lr": 8e-3, "runs": 1, "runaways": 0, "final_loss": 2.5}]}
+    fig = lr_figure("runaways against the learning rate", sweep)
+    shares = [t for t in fig.data if t.xaxis == "x"]
+    assert [list(t.y) for t in shares] == [[0.0, 2 / 3], [0.0]]
+    assert len({t.line.color for t in shares}) == 2 and fig.layout.xaxis.type == "log"
+

@@ -3,7 +3,8 @@ per-head t-scores of the δ error, the paper's signature, the logits' onsets (ru
 `first_over`, `first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a
 run's events and recipe (`outcomes`, `recipe`), several experiment folders' runs at once
 (`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line run summaries, and
-the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`).
+the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`) and
+a learning-rate grid's (`lr_sweep`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -430,3 +431,20 @@ def survival_table(arms: dict[str, list[Outcome]], against: tuple[str, ...] = ()
         row["runaway"]["layers"] = {layer: layers.count(layer) for layer in sorted(set(layers))}
         table[arm] = row
     return table
+
+
+def lr_sweep(groups: dict[str, list[Run]], horizon: int) -> dict[str, list[dict]]:
+    """A learning-rate grid's done runs by series ("<arm>" or "<arm> + QK-LayerNorm"; a group is named
+    "<arm>-lr<rate>[-qkln]"), each a list by learning rate of {"lr", "runs", "runaways", "final_loss" (the
+    median of the runs' last losses)}."""
+    series: dict[str, dict[float, list[Run]]] = {}
+    for name, runs in groups.items():
+        for run in runs:
+            label = name.split("-lr")[0] + (" + QK-LayerNorm" if run.config["model"]["qk_layernorm"] else "")
+            series.setdefault(label, {}).setdefault(run.config["lr"], []).append(run)
+    return {label: [{"lr": lr, "runs": len(runs),
+                     "runaways": sum(outcome(run, horizon).runaway is not None for run in runs),
+                     "final_loss": statistics.median(run.summary["final_loss"] for run in runs)}
+                    for lr, runs in sorted(by_lr.items())]
+            for label, by_lr in series.items()}
+

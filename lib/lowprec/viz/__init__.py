@@ -14,17 +14,12 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.io.base_renderers import MimetypeRenderer
 
-from lowprec.viz.plots import FIELD_COLOURS, bit_fields_figure, new_figure, table_figure
+from lowprec.viz.plots import COLOURWAY, FIELD_COLOURS, bit_fields_figure, new_figure, table_figure
 
 __all__ = ["COLOURWAY", "FIELD_COLOURS", "LEGEND_BELOW", "bit_fields_figure", "book_build", "book_template",
            "new_figure", "setup", "table_figure"]
 
 FIGURE_HEIGHT = 440
-COLOURWAY = [  # d3's ten, then ten more that differ from them and from each other
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-    "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#6baed6", "#fd8d3c", "#74c476",
-    "#9e9ac8", "#252525",
-]  # fmt: skip
 LEGEND_BELOW = {"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0,
                 "xanchor": "left"}  # fmt: skip
 

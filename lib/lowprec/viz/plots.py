@@ -9,11 +9,17 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 import torch
+from plotly.subplots import make_subplots
 
 from lowprec.analysis import RUNAWAY_LOGIT, layer_logit
 from lowprec.formats import Format, as_format, bits, round_to
 from lowprec.runs import Run
 
+COLOURWAY = [  # the book template's: d3's ten, then ten more that differ from them and from each other
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+    "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#6baed6", "#fd8d3c", "#74c476",
+    "#9e9ac8", "#252525",
+]  # fmt: skip
 FIELD_COLOURS = {"sign": "#d62728", "exponent": "#1f77b4", "significand": "#2ca02c"}
 # A table's layout (px): a width at or below the width the book's pages give a figure (688 in a window 1280
 # wide, 736 or 790 in others); plotly's 12 px table text: width per character (on average, rounded up), a
@@ -105,6 +111,27 @@ def logit_figure(title: str, runs: dict[str, Run], colours: dict[str, str] | Non
     fig.add_annotation(text="runaway threshold", x=1, xref="paper", xanchor="right",
                        y=math.log10(RUNAWAY_LOGIT),  # on a log axis, an annotation's y is log10 of its value
                        yanchor="bottom", showarrow=False)
+    return fig
+
+
+def lr_figure(title: str, sweep: dict[str, list[dict]]) -> go.Figure:
+    """`analysis.lr_sweep` as two panels against the learning rate (log axis): the share of runs that ran
+    away, and the median final loss; one colour per series in both."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
+                        subplot_titles=["share of runs with a runaway", "median final loss"])
+    for i, (label, rows) in enumerate(sweep.items()):
+        colour = COLOURWAY[i % len(COLOURWAY)]
+        lrs = [r["lr"] for r in rows]
+        fig.add_scatter(x=lrs, y=[r["runaways"] / r["runs"] for r in rows], mode="lines+markers", name=label,
+                        legendgroup=label, line_color=colour, row=1, col=1,
+                        customdata=[[r["runaways"], r["runs"]] for r in rows],
+                        hovertemplate="lr %{x:g}: %{customdata[0]} of %{customdata[1]} runs<extra></extra>")
+        fig.add_scatter(x=lrs, y=[r["final_loss"] for r in rows], mode="lines+markers", name=label,
+                        legendgroup=label, showlegend=False, line_color=colour, row=1, col=2)
+    fig.update_xaxes(type="log", title_text="peak learning rate")
+    fig.update_yaxes(title_text="share of runs", range=[-0.05, 1.05], row=1, col=1)
+    fig.update_yaxes(title_text="loss (nats per token)", row=1, col=2)
+    fig.update_layout(title=title, margin={"t": 80})
     return fig
 
 
