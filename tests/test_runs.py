@@ -107,6 +107,10 @@ def test_a_run_kept_by_one_process_is_read_by_the_next(tmp_path, monkeypatch):
     runs._read_run.cache_clear()
     monkeypatch.setattr(runs, "_parse_run", lambda path: pytest.fail("parsed again"))
     assert load_run(tmp_path / "r") == first
+    (tmp_path / "link").symlink_to(tmp_path / "r")  # the same folder by another path: the Run has that path
+    assert load_run(tmp_path / "link").path == tmp_path / "link"
+    runs._read_run.cache_clear()
+    assert load_run(tmp_path / "r").path == tmp_path / "r"
     monkeypatch.undo()
     monkeypatch.setenv(runs.RUN_CACHE, str(tmp_path / "kept"))
     kept.write_bytes(b"not a pickle")

@@ -26,7 +26,7 @@ import sys
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -604,8 +604,8 @@ def _read_run(path: Path, stamp: tuple) -> Run:
 def _kept_or_parsed(path: Path, stamp: tuple) -> Run:
     kept = _kept_file(path, stamp)
     if kept is not None and kept.exists():
-        try:
-            return pickle.loads(kept.read_bytes())
+        try:  # kept by whoever read the folder first, through any path to it: the Run takes this caller's
+            return replace(pickle.loads(kept.read_bytes()), path=path)
         except Exception:  # noqa: BLE001 (a damaged or foreign file: read the record instead)
             pass
     run = _parse_run(path)
