@@ -49,12 +49,23 @@ def start_zygote() -> None:
     kernel_zygote.ZYGOTE_IN_USE = kernel_zygote.Zygote()
 
 
-def execute(path: Path) -> tuple[Path, NotebookNode, str | None, float]:
-    """Execute one chapter in its own kernel: (path, executed notebook, error text or None, seconds)."""
-    notebook = read(path)
-    result = single_nb_execution(notebook, cwd=str(path.parent), timeout=TIMEOUT_S, allow_errors=False,
-                                 kernel_manager_class=kernel_zygote.ZygoteKernelManager)
-    return path, notebook, result.exc_string if result.err else None, result.time
+def execute(path: Path, attempts: int = 2) -> tuple[Path, NotebookNode, str | None, float]:
+    """Execute one chapter in its own kernel: (path, executed notebook, error text or None, seconds). A kernel
+    that does not start (nbclient's RuntimeError: e.g. a port another process took between the kernel's
+    choice of it and its bind) is started again, `attempts` times in all; then the error text is returned,
+    so that the build runs the chapter in its own kernel."""
+    for attempt in range(1, attempts + 1):
+        notebook = read(path)
+        try:
+            result = single_nb_execution(notebook, cwd=str(path.parent), timeout=TIMEOUT_S,
+                                         allow_errors=False,
+                                         kernel_manager_class=kernel_zygote.ZygoteKernelManager)
+        except RuntimeError as exc:
+            print(f"execute_chapters: {path.name}: the kernel did not start ({exc}), attempt {attempt} of "
+                  f"{attempts}", file=sys.stderr)
+            continue
+        return path, notebook, result.exc_string if result.err else None, result.time
+    return path, notebook, f"the kernel did not start in {attempts} attempts", 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
