@@ -422,6 +422,44 @@ def test_gpu_kernel_matches_emulator_statistically():
         assert_within_flash_attention_rule(functools.partial(flash_attention, fix=fix), q, k, v, do)
 
 
+@on_gpu
+def test_a_tuned_shape_launches_without_the_autotuner(monkeypatch):
+    """Once the autotuner has picked for a launch key, the same shape launches its pick directly (none of
+    the autotuner's per-call Python) with bit-identical results; a new length goes through it again."""
+    from lowprec.attention import flash
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def step(n: int) -> list[torch.Tensor]:
+        q, k, v = (torch.randn(2, 4, n, 64, generator=gen, device="cuda").bfloat16().requires_grad_()
+                   for _ in range(3))
+        o = flash_attention(q, k, v, causal=True)
+        o.backward(torch.ones_like(o))
+        return [o.detach(), q.grad, k.grad, v.grad]
+
+    tuned = {name: t for name, (_, t) in flash._KERNELS.items()}
+    runs = {name: 0 for name in tuned}
+    for name, t in tuned.items():
+        def counted(*args, _run=t.run, _name=name, **kwargs):
+            runs[_name] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(t, "run", counted)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)  # the autotuned path (a deterministic run pins its tiles)
+    try:
+        gen.manual_seed(3)
+        first = step(777)
+        assert runs == {"fwd": 1, "dkdv": 1, "dq": 1}
+        gen.manual_seed(3)
+        again = step(777)
+        assert runs == {"fwd": 1, "dkdv": 1, "dq": 1}, "the same shape went through the autotuner again"
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        step(778)
+        assert runs == {"fwd": 2, "dkdv": 2, "dq": 2}
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_late_interpreter_switch_is_a_clear_error():
     """Without a GPU the kernels need TRITON_INTERPRET=1 before triton's first import, else a clear error."""
     if torch.cuda.is_available():

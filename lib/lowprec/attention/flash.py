@@ -156,11 +156,17 @@ def _fixed_options(block_d: int) -> dict[str, int]:
     return {"num_warps": 8, "num_stages": 2} if block_d >= 256 else {"num_warps": 4, "num_stages": 3}
 
 
-def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *args, **constexprs) -> None:
+_picks: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (`_launch`)
+
+
+def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *args, sizes: tuple[int, ...],
+            **constexprs) -> None:
     """Launch kernel `name` over the grid (`rows`-sized blocks, B*H folded over y and z: the blocks of one
     head run side by side, so its K and V stay in L2, and any batch x heads fits) with the caller's blocks,
-    the PINNED ones in a deterministic run, or the autotuner's pick (blocks (0, 0)). An empty batch launches
-    nothing."""
+    the PINNED ones in a deterministic run, or the autotuner's pick (blocks (0, 0)): once it has picked for
+    a key (`sizes`, the kernel's N_Q, N_K, H and GROUP arguments, a superset of its tuning key, with the
+    tensors' dtypes and the constexprs), the kernel is launched with that pick directly, without the
+    autotuner's per-call Python. An empty batch launches nothing."""
     if bh == 0:
         return
     kernel, tuned = _KERNELS[name]
@@ -174,7 +180,14 @@ def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *arg
         options = {"num_warps": warps, "num_stages": stages}
         _pinned_launched[f"{name} d{block_d}"] = "x".join(map(str, (*blocks, warps, stages)))
     else:
-        tuned[grid](*args, **constexprs)
+        key = (name, sizes, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)),
+               tuple(sorted(constexprs.items())))
+        picked = _picks.get(key)
+        if picked is None:
+            tuned[grid](*args, **constexprs)
+            _picks[key] = tuned.best_config
+        else:
+            kernel[grid](*args, **constexprs, **picked.all_kwargs())
         return
     try:
         kernel[grid](*args, **constexprs, BLOCK_M=blocks[0], BLOCK_N=blocks[1], **options)
@@ -228,9 +241,10 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int,
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32)
     stats = (torch.zeros((len(STAT_NAMES), B, H, N), device=q.device, dtype=torch.int32) if with_stats
              else lse.new_empty((0,), dtype=torch.int32))
+    sizes = (N, k.shape[2], H, H // k.shape[1])
     _launch("fwd", (block_m, block_n), N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
-            *map(_strides, (q, k, v, o)), N, k.shape[2], H, H // k.shape[1], B * H, scale, tuple(fix), seed,
-            D=D, BLOCK_D=_block_d(D), CAUSAL=causal, FIX=fix_mode, WITH_STATS=with_stats, P_FP32=p_fp32,
+            *map(_strides, (q, k, v, o)), *sizes, B * H, scale, tuple(fix), seed, sizes=sizes, D=D,
+            BLOCK_D=_block_d(D), CAUSAL=causal, FIX=fix_mode, WITH_STATS=with_stats, P_FP32=p_fp32,
             NATIVE_P=native_p, NORM=norm, IEEE=q.dtype == torch.float32, CODES=tuple(codes))
     return o, lse, stats
 
@@ -270,9 +284,10 @@ def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=causal, IEEE=q.dtype == torch.float32, C_SCORES=c_scores)
     sizes, blocks = (N, n_k, H, H // H_kv), (block_m, block_n)
     _launch("dkdv", blocks, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
-            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, scale, GROUPED=H_kv < H, **common)
+            *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, scale, sizes=sizes, GROUPED=H_kv < H,
+            **common)
     _launch("dq", blocks, N, B * H, "BLOCK_M", q, k, v, do, lse, delta, dq,
-            *map(_strides, (q, k, v, do, dq)), *sizes, B * H, scale, **common)
+            *map(_strides, (q, k, v, do, dq)), *sizes, B * H, scale, sizes=sizes, **common)
     return dq, dk, dv
 
 
