@@ -77,7 +77,7 @@ wait|pack)
     # CALL_START=$(date +%s) at the head of a device call: the wait ends by 580 s into the call, in time to pack
     [ -n "${CALL_START:-}" ] && end=$(( end < SECONDS + CALL_START + 580 - $(date +%s) ? end
                                         : SECONDS + CALL_START + 580 - $(date +%s) ))
-    while [ $SECONDS -lt $end ] && kill -0 "$(cat "$WORK/go.pid")" 2> /dev/null; do sleep 5; done
+    while [ $SECONDS -lt $end ] && kill -0 "$(cat "$WORK/go.pid")" 2> /dev/null; do sleep 1; done
     tail -n 25 "$WORK/go.log"
   fi
   cd "$WORK" || exit 1

@@ -1,0 +1,52 @@
+"""scripts/h200-study.sh on the CPU with tiny queues: go over two queues (the first capped by FIRST, a probe's
+estimate passed to the queue with its arm), wait within CALL_START's limit, and a pack per queue."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ["block_size=32", "n_embd=32", "batch_size=4", "log_interval=1", "telemetry_interval=4",
+          "ckpt_interval=0", "eval_interval=0"]
+
+
+def queue(folder: Path, runs: list[dict], estimates: dict[str, float]) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "queue.json").write_text(json.dumps({"config": "smoke-cpu", "horizon": 12, "overrides": RECIPE,
+                                                   "runs": runs, "estimate_s": estimates}))
+    return folder / "queue.json"
+
+
+def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
+    cell = {"arm": "attn-fp32", "seed": 1, "tag": "lr8e-3", "overrides": ["lr=8e-3"]}
+    first = queue(tmp_path / "grid", [cell], {"attn-fp32": 5})
+    second = queue(tmp_path / "survival", [{"arm": "model-fp32", "seed": 1}], {"model-fp32": 1e6})
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    (work / "time-model-fp32.json").write_text(json.dumps({"projected_s": 10.0}))  # a probe's measurement
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    (work / "probe.pid").write_text(f"{ended.pid}\n")  # a probe that has ended
+    env = {**os.environ, "WORK": str(work), "OUT": str(out), "QUEUE": f"{first} {second}",
+           "PYTHONPATH": str(ROOT / "lib"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
+    go = subprocess.run(script, env={**env, "PHASE": "go", "MINUTES": "4", "FIRST": "1"}, cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+    assert go.returncode == 0 and "probe: --estimate model-fp32=70" in go.stdout
+    start = int(time.time())
+    wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "540", "CALL_START": str(start)},
+                          cwd=ROOT, capture_output=True, text=True, timeout=620)
+    assert wait.returncode == 0, wait.stderr
+    log = (work / "go.log").read_text()
+    assert "study grid: 1 minutes" in log and "study survival: 2 minutes" in log
+    assert "start model-fp32-s1 (expected 70 s)" in log  # the measured estimate, not the queue's 1e6
+    for name, run in (("grid", "attn-fp32-lr8e-3-s1"), ("survival", "model-fp32-s1")):
+        with tarfile.open(out / f"{name}.tgz") as pack:
+            assert f"{name}/{run}/summary.json" in pack.getnames()
