@@ -3,14 +3,17 @@
 # outlives one device call:
 #   PHASE=unpack SHARDS=.carry/cN  applies one carried shard folder of the corpus to data/gpt2-english+code
 #   PHASE=probe [ARM=model-fp32]   in its own process session, while later shards travel (the GPU idles):
-#                                  scripts/time_arm.py times 300 steps of ARM (the committed sample in place of
-#                                  the corpus: same model and batch), then `lowprec bench overhead --profile`
+#                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
+#                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
+#                                  (the committed sample in place of the corpus: same model and batch), then
+#                                  `lowprec bench overhead --profile`
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue
 #                                  (QUEUE may name several, the first for at most FIRST minutes), SLOTS runs at
-#                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone); after a probe
-#                                  (waited for, at most 120 s) ARM's estimate is its projected time + 60 s
+#                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone); after
+#                                  a probe (waited for, at most PROBE_WAIT_S=120 s) ARM's estimate is its
+#                                  projected time + 60 s
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds (or until 580 s after CALL_START, the
 #                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
@@ -30,8 +33,10 @@ unpack)
 probe)
   # shellcheck disable=SC2016
   setsid nohup bash -c '
-    python3 scripts/time_arm.py --queue "$1" --arm "$2" --steps 300 --work "$3" --set data=sample:bytes \
-      --out "$3/time-$2.json"
+    [ -n "${PROBE_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider tests/test_flash_kernel.py \
+      -k "$PROBE_TESTS" > "$3/probe-tests.log" 2>&1
+    [ "$2" != none ] && python3 scripts/time_arm.py --queue "${1%% *}" --arm "$2" --steps 300 --work "$3" \
+      --set data=sample:bytes --out "$3/time-$2.json"
     python3 -m lowprec.cli bench overhead --profile --out "$3/overhead.json"
   ' probe "$QUEUE" "${ARM:-model-fp32}" "$WORK" > "$WORK/probe.log" 2>&1 < /dev/null &
   echo $! > "$WORK/probe.pid"
@@ -39,8 +44,11 @@ probe)
 go)
   estimate=()
   if [ -e "$WORK/probe.pid" ]; then
-    for _ in $(seq 120); do kill -0 "$(cat "$WORK/probe.pid")" 2> /dev/null || break; sleep 1; done
-    kill -- -"$(cat "$WORK/probe.pid")" 2> /dev/null && echo "probe stopped (it outran 120 s)"
+    for _ in $(seq "${PROBE_WAIT_S:-120}"); do
+      kill -0 "$(cat "$WORK/probe.pid")" 2> /dev/null || break
+      sleep 1
+    done
+    kill -- -"$(cat "$WORK/probe.pid")" 2> /dev/null && echo "probe stopped (it outran ${PROBE_WAIT_S:-120} s)"
     arm=${ARM:-model-fp32}
     [ -e "$WORK/time-$arm.json" ] && estimate=(--estimate "$arm=$(python3 -c \
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
@@ -88,8 +96,8 @@ wait|pack)
   [ -e reproducibility.json ] && tar czf "$OUT/repro.tgz" --exclude=checkpoint --exclude=writer.lock \
     reproducibility.json repro go.log
   # shellcheck disable=SC2046
-  [ -e probe.log ] && tar czf "$OUT/probe.tgz" --exclude=checkpoint --exclude=writer.lock probe.log time-* \
-    $(ls overhead.json 2> /dev/null)
+  [ -e probe.log ] && tar czf "$OUT/probe.tgz" --exclude=checkpoint --exclude=writer.lock probe.log \
+    $(ls -d time-* overhead.json probe-tests.log 2> /dev/null)
   ls -la "$OUT" ;;
 *)
   echo "PHASE must be unpack, probe, go, wait or pack" >&2; exit 2 ;;
