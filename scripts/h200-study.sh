@@ -33,7 +33,7 @@ unpack)
 probe)
   # shellcheck disable=SC2016
   setsid nohup bash -c '
-    [ -n "${PROBE_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider tests/test_flash_kernel.py \
+    [ -n "${PROBE_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_flash_kernel.py \
       -k "$PROBE_TESTS" > "$3/probe-tests.log" 2>&1
     [ "$2" != none ] && python3 scripts/time_arm.py --queue "${1%% *}" --arm "$2" --steps 300 --work "$3" \
       --set data=sample:bytes --out "$3/time-$2.json"
