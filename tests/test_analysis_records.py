@@ -126,6 +126,19 @@ def test_recipe(run, tmp_path) -> None:
     writer.close()
     assert analysis.recipe(load_run(tmp_path)) == {"model": "2x8", "tokens_per_step": 128, "corpus":
                                                    "gpt2-permissive", "lr": 2e-3, "decay_steps": None}
+    assert analysis.recipe_label(analysis.recipe(run)) == \
+        "2x8 model, 128 tokens per step, gpt2-english+code, lr 0.002 (cosine over 30,000 steps)"
+    assert analysis.recipe_label(analysis.recipe(load_run(tmp_path))) == \
+        "2x8 model, 128 tokens per step, gpt2-permissive, lr 0.002 (constant)"
+
+
+def test_split_name() -> None:
+    assert analysis.split_name("paper64-fp32pv-s1337") == ("paper64-fp32pv", 1337)
+    assert analysis.split_name("kbit3-consistent-fix-s3") == ("kbit3-consistent-fix", 3)
+    assert analysis.split_name("fa2-lr8e-3-s1") == ("fa2-lr8e-3", 1)  # the last "-s" parts the seed off
+    for bad in ("fa2", "fa2-s", "-s1", "fa2-sx", "lead-s1337/fa2"):
+        with pytest.raises(ValueError, match="not a run name"):
+            analysis.split_name(bad)
 
 
 def test_load_experiment(tmp_path) -> None:

@@ -1,10 +1,10 @@
 """Analysis of recorded runs for the book and the experiments: signed-error statistics (`ErrorStats`),
 per-head t-scores of the δ error, the paper's signature, the logits' onsets (runaways, `first_past`,
 `first_over`, `first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a
-run's events and recipe (`outcomes`, `recipe`), several experiment folders' runs at once
-(`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line run summaries, and
-the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`, `survival_table`) and
-a learning-rate grid's (`lr_sweep`).
+run's events, recipe and name (`outcomes`, `recipe`, `recipe_label`, `split_name`), several experiment
+folders' runs at once (`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line
+run summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`,
+`survival_table`) and a learning-rate grid's (`lr_sweep`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -225,6 +225,22 @@ def recipe(run: Run) -> dict:
             "tokens_per_step": config["batch_size"] * config["grad_accum"] * model["block_size"],
             "corpus": Path(data).name, "lr": config["lr"],
             "decay_steps": None if config["min_lr"] == config["lr"] else config["lr_decay_iters"]}
+
+
+def recipe_label(setting: dict) -> str:
+    """One line for a recipe (`recipe`): model, tokens per step, corpus, peak learning rate and schedule."""
+    schedule = f"cosine over {setting['decay_steps']:,} steps" if setting["decay_steps"] else "constant"
+    return (f"{setting['model']} model, {setting['tokens_per_step']:,} tokens per step, {setting['corpus']}, "
+            f"lr {setting['lr']:g} ({schedule})")
+
+
+def split_name(name: str) -> tuple[str, int]:
+    """(arm, seed) of a run named `<arm>-s<seed>` (`instruments.explode.run_name`, `record_name`; an arm may
+    hold "-s" itself); ValueError for another name."""
+    arm, sep, seed = name.rpartition("-s")
+    if not (arm and sep and seed.isdigit()):
+        raise ValueError(f"{name!r} is not a run name <arm>-s<seed>")
+    return arm, int(seed)
 
 
 # ---- growth of the logits before a runaway ----
