@@ -12,6 +12,7 @@ from lowprec.instruments.bias_noise import criterion_probe
 from lowprec.instruments.control import ControlConfig, bias_probe, delta_identity
 from lowprec.instruments.cures import train_key
 from lowprec.instruments.positive_control import OTHER_BUILD_TOL, agrees, recorded_control, train_grid
+from lowprec.runs import cpu_vendor
 
 STEPS = 150
 
@@ -127,14 +128,20 @@ def test_recorded_control_checks_its_live_run(tmp_path):
     with pytest.raises(ValueError, match=f"stale: fa2/adam/lowp .* w_r_final {recorded!r} recorded, .* here "
                                          r"\(compared within 2%.*\); record it again: "):
         recorded_control(out, cfg, "fa2/adam/lowp")
-    for key, other in (("cpu_capability", "DEFAULT"), ("torch", "2.0.0")):  # another build: 5% passes
-        record["provenance"][key] = other
+    assert record["provenance"]["cpu_vendor"] == cpu_vendor()
+    for key, other in (("cpu_vendor", None), ("cpu_vendor", "OtherVendor"), ("cpu_capability", "DEFAULT"),
+                       ("torch", "2.0.0")):  # another build (an unrecorded vendor counts as one): 5% passes
+        if other is None:
+            del record["provenance"][key]
+        else:
+            record["provenance"][key] = other
         out.write_text(json.dumps(record))
         fresh = recorded_control(out, cfg, "fa2/adam/lowp")["fa2/adam/lowp"]["summary"]
         assert fresh["w_r_final"] != recorded
     record["summary"]["fa2/adam/lowp"]["w_r_final"] *= 1.15 / 1.05
     out.write_text(json.dumps(record))
-    with pytest.raises(ValueError, match=r"within 10%: recorded with torch 2.0.0 on DEFAULT"):  # 15% fails
+    other_build = r"within 10%: recorded with torch 2.0.0 on DEFAULT \(OtherVendor\)"
+    with pytest.raises(ValueError, match=other_build):  # 15% fails
         recorded_control(out, cfg, "fa2/adam/lowp")
     del record["series"]
     out.write_text(json.dumps(record))

@@ -65,6 +65,17 @@ def _version(package: str) -> str | None:
         return None
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor ("GenuineIntel", "AuthenticAMD", ...; /proc/cpuinfo's vendor_id where there is one):
+    MKL takes other code paths on another vendor's CPU of the same instruction set."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def provenance(command: list[str] | None = None) -> dict:
     """Where a result came from: git commit and dirty flag (tracked files), versions, device, command, time.
 
@@ -99,6 +110,7 @@ def provenance(command: list[str] | None = None) -> dict:
         prov["torch"] = torch.__version__
         prov["cuda"] = torch.version.cuda
         prov["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the CPU kernels torch picked
+        prov["cpu_vendor"] = cpu_vendor()
         if torch.cuda.is_available():
             prov["device"] = torch.cuda.get_device_name()
             prov["device_count"] = torch.cuda.device_count()
