@@ -100,15 +100,17 @@ def test_a_contradicting_record_raises(tmp_path: Path) -> None:
         bottom_line(results)
     shutil.copy(RESULTS / "train" / "reproducibility.json", record)
     lr = results / "explode" / "lr-qknorm"
-    (lr / "attn-fp32-lr8e-3-s1").symlink_to(EXPLODE / "survival" / "attn-fp32-s1")  # fp32 at 8e-3, done
+    shutil.rmtree(lr / "attn-fp32-lr8e-3-s1")  # fp32 attention at 8e-3 without a runaway: stale
+    (lr / "attn-fp32-lr8e-3-s1").symlink_to(EXPLODE / "survival" / "attn-fp32-s1")
     forget()
-    with pytest.raises(StaleClaim, match="no fp32 run at another learning rate"):
+    with pytest.raises(StaleClaim, match="every placement ran away at 8e-3, attention in fp32 included"):
         bottom_line(results)
     (lr / "attn-fp32-lr8e-3-s1").unlink()
-    shutil.rmtree(lr / "fa2-lr8e-3-s1")  # fa2 at 8e-3 without a runaway: "ran away" is stale
-    (lr / "fa2-lr8e-3-s1").symlink_to(EXPLODE / "survival" / "fa2-s1")
+    shutil.copytree(EXPLODE / "lr-qknorm" / "attn-fp32-lr8e-3-s1", lr / "attn-fp32-lr8e-3-s1")
+    shutil.rmtree(lr / "fa2-lr8e-3-qkln-s1")  # a runaway with QK-LayerNorm: "none ran away" is stale
+    (lr / "fa2-lr8e-3-qkln-s1").symlink_to(EXPLODE / "lr-qknorm" / "fa2-lr8e-3-s1")
     forget()
-    with pytest.raises(StaleClaim, match="fa2 at 8e-3 ran away"):
+    with pytest.raises(StaleClaim, match="with QK-LayerNorm no placement ran away"):
         bottom_line(results)
 
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowprec.analysis import first_difference, first_layer, outcomes, recipe, wilson
+from lowprec.analysis import first_difference, first_layer, largest_logit, outcomes, recipe, wilson
 from lowprec.instruments import study
 from lowprec.instruments.explode import arm_of
 from lowprec.runs import REPO, Run, experiments, load_experiment, load_run
@@ -182,10 +182,22 @@ def bottom_line(results: Path = RESULTS) -> str:
           "fp32pv at 262k: both runs of seed 1337 ran away, neither exploded")
     study_arms = study_groups("survival", results)
     lr_groups = study_groups("lr-qknorm", results)
-    high, plain_fa2 = lr_groups.get("fa2-lr8e-3", []), study_arms.get("fa2", [])
-    claim(high and all(r.runaway is not None for r in high), "fa2 at 8e-3 ran away in every run")
-    claim(not any(g.startswith(("attn-fp32", "model-fp32")) for g in lr_groups),
-          "no fp32 run at another learning rate")
+    placements = ("fa2", "paper64", "attn-fp32")
+    high = {arm: lr_groups.get(f"{arm}-lr8e-3", []) for arm in placements}
+    normed = {arm: lr_groups.get(f"{arm}-lr8e-3-qkln", []) for arm in placements}
+    plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
+    claim(all(group and all(r.runaway is not None for r in group) for group in high.values()),
+          "every placement ran away at 8e-3, attention in fp32 included")
+    claim(all(group and not any(r.runaway or r.spike or r.explosion for r in group)
+              for group in normed.values()),
+          "with QK-LayerNorm no placement ran away or spiked at 8e-3")
+    claim(plain_fa2 and plain_fp32 and not any(r.runaway for r in (*plain_fa2, *plain_fp32)),
+          "fa2 and attn-fp32 at the recipe's learning rate: no survival runaway")
+    records = explode_records(results)
+    normed_logit = [largest_logit(records[r.name]) for group in normed.values() for r in group]
+    final = {key: [records[r.name].summary["final_loss"] for group in groups.values() for r in group]
+             for key, groups in (("plain", high), ("normed", normed))}
+    claim(max(final["normed"]) < min(final["plain"]), "QK-LayerNorm: a lower final loss in every placement")
     why = (
         f"**Why, as far as the records show.** Not the paper's biased rounding of $\\bar P V$ alone: with "
         f"it unrounded (`paper64-fp32pv`) {rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The "
@@ -194,12 +206,14 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{rate(*tally(fp32pv, 'runaway'))}. An fp32 $\\ell$ does not rule a runaway out: `fa2` keeps it in "
         f"fp32 and ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` "
         f"ran away in both runs of its one seed (without the stop rule). These are counts; no single run "
-        f"shows a cause. At four times the recipe's learning rate ($8 \\cdot 10^{{-3}}$) `fa2` ran away in "
-        f"{rate(*tally(high, 'runaway'))}: at step{'s' * (len(high) > 1)} "
-        f"{', '.join(f'{r.runaway:,}' for r in high)}, first in layer index "
-        f"{', '.join(str(r.first_layer) for r in high)}, where at the recipe's none of its {len(plain_fa2)} "
-        f"survival runs did in 8,000 steps; whether attention in fp32 runs away at that rate is not yet "
-        f"measured.")
+        f"shows a cause. At four times the recipe's learning rate ($8 \\cdot 10^{{-3}}$, 4,000 steps, one "
+        f"seed per placement) every placement ran away, attention computed entirely in fp32 included: "
+        + ", ".join(f"`{arm}` at step {r.runaway:,}" for arm, group in high.items() for r in group)
+        + f"; at the recipe's learning rate none of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} "
+        f"`attn-fp32` survival runs did in 8,000 steps. So a high enough learning rate starts the runaway "
+        f"with no bf16 in the attention at all (the attention-logit growth of Wortsman et al. 2023); whether "
+        f"the bf16 placements lower the learning rate at which it starts is what the counts above measure, "
+        f"so far with too few runs.")
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -233,7 +247,12 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{', '.join(f'{r.explosion:,}' for r in cons_fa2)}) where `fa2` did not in "
         f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 (`attn-fp32`) and "
         f"no bf16 anywhere (`model-fp32`) reached 8,000 steps without a runaway (runs: {len(fp32_attn)} and "
-        f"{len(fp32_model)}): too few to say that a bf16 rounding point is needed for one.")
+        f"{len(fp32_model)}): too few to say that a bf16 rounding point is needed for one. QK-LayerNorm "
+        f"stopped the runaway at $8 \\cdot 10^{{-3}}$ in each placement (one run each: largest logit "
+        f"{min(normed_logit):.0f}-{max(normed_logit):.0f}, no spike, final loss "
+        f"{min(final['normed']):.2f}-{max(final['normed']):.2f} against "
+        f"{min(final['plain']):.2f}-{max(final['plain']):.2f} without it): "
+        f"the one cure here that held in every placement, at one seed.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
@@ -256,11 +275,11 @@ def bottom_line(results: Path = RESULTS) -> str:
         and run.summary["weights_sha256"] == first.summary["weights_sha256"]
         for run, first in again.values()), "two survival runs made twice: same values, same weights")
     untested = (
-        f"**Untested.** QK-LayerNorm and the learning rate's threshold (done: {lr_done} of the {lr_total} "
-        f"runs of that study; runaways: {per_group(lr_groups)}), QK-clip, z-loss and larger models (none "
-        f"ran past {max(larger):,} steps); of the survival study's {sv_total} runs, {sv_done} are done "
-        f"(runaways by arm: {per_group(study_arms)}; every one in layer index 1). Same-seed runs in the "
-        f"older records are not repeatable: two default-mode "
+        f"**Untested.** QK-LayerNorm beyond one seed, and the learning rate's threshold (done: {lr_done} of "
+        f"the {lr_total} runs of that study; runaways: {per_group(lr_groups)}), QK-clip, z-loss and larger "
+        f"models (none ran past {max(larger):,} steps); of the survival study's {sv_total} runs, "
+        f"{sv_done} are done (runaways by arm: {per_group(study_arms)}; every one in layer index 1). "
+        f"Same-seed runs in the older records are not repeatable: two default-mode "
         f"twins' logged losses differ by up to {default['max_logged_loss_gap']} "
         f"within {repro['steps']:,} steps, while the deterministic mode gave one weights hash for "
         f"{len(det['runs'])} runs, and two of the survival runs, made again on a second machine "
