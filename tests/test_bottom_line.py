@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from lowprec.analysis import runaway_step, wilson
+from lowprec.analysis import outcomes, runaway_step, wilson
 from lowprec.runs import load_run
 from lowprec.viz.bottom_line import (
     RESULTS,
@@ -20,6 +20,7 @@ from lowprec.viz.bottom_line import (
     explode_records,
     explode_runs,
     hunt_records,
+    shared_spikes,
 )
 
 HEADS = ("**What fails.**", "**Why, as far as the records show.**", "**What to change.**", "**Untested.**",
@@ -140,3 +141,13 @@ def test_hunt_records_and_their_bias_noise_sources() -> None:
     sources = bias_noise_sources()
     assert ("paper64-s1337", 2000) in sources and ("fa2-s1", 2000) in sources
     assert all(len(heads) == 6 and "mean_key_cos" in heads[0] for heads in sources.values())
+
+
+def test_shared_spikes_group_a_seeds_runs_by_their_first_spike() -> None:
+    """Seed 1 of the survival queue: its runs without a runaway first spiked at one step, the no-bf16 control
+    among them (read folder by folder)."""
+    step, same = shared_spikes()[1]
+    folders = sorted((EXPLODE / "survival").glob("*-s1"))
+    spikes = {f.name: outcomes(load_run(f))["spike"] for f in folders if f.is_dir()}
+    assert {r.name.split("/")[-1] for r in same} == {name for name, s in spikes.items() if s == step}
+    assert "model-fp32-s1" in spikes and spikes["model-fp32-s1"] == step and len(same) >= 3

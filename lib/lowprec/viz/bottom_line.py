@@ -4,8 +4,8 @@ what is untested, where each is shown), every number counted from the committed 
 `bottom_line` checks each claim it words against the records and raises `StaleClaim` when one no longer
 holds, so the text cannot go stale silently. `explode_records` reads every training run under
 results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
-runaway, spike, explosion); `select`, `tally`, `rate`, `queue_progress` and `study_groups` count them for
-the chapters too.
+runaway, spike, explosion); `select`, `tally`, `rate`, `queue_progress`, `study_groups` and `shared_spikes`
+count them for the chapters too.
 """
 
 from __future__ import annotations
@@ -136,6 +136,22 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
     for name in sorted(names):
         groups.setdefault(name.rsplit("-s", 1)[0], []).append(runs[f"{queue}/{name}"])
     return groups
+
+
+def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
+    """Per seed with more than one done run of a study queue (`study_groups`): the step at which most of its
+    runs first spiked (`RunFacts.spike`), and those runs."""
+    by_seed: dict[int, list[RunFacts]] = {}
+    for group in study_groups(queue, results).values():
+        for r in group:
+            by_seed.setdefault(r.seed, []).append(r)
+    out = {}
+    for seed, runs in sorted(by_seed.items()):
+        steps = [r.spike for r in runs if r.spike is not None]
+        if len(runs) > 1 and steps:
+            step = max(set(steps), key=steps.count)
+            out[seed] = (step, [r for r in runs if r.spike == step])
+    return out
 
 
 def survival_repeats(results: Path = RESULTS) -> dict[str, tuple[Run, Run]]:
