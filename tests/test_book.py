@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import http.server
+import json
 import os
 import re
 import subprocess
@@ -121,16 +122,64 @@ ON_GPU = torch.cuda.is_available()
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (kernels compiled, not interpreted)")
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_executes_on_gpu(path: Path) -> None:
-    """The chapter as a practitioner runs it on a GPU machine: TRITON_INTERPRET unset, kernels compiled."""
-    import jupytext
-
+    """The chapter as a practitioner runs it on a GPU machine: TRITON_INTERPRET unset, kernels compiled; with
+    LOWPREC_REMEASURE=1 its parameter cell set to `REMEASURE = True` (`remeasure_notebook`); with
+    LOWPREC_CHAPTER_TIMES=DIR its wall time and outcome go to DIR/<chapter>.json (`chapter_time`)."""
+    notebook, remeasured = remeasure_notebook(path, os.environ.get("LOWPREC_REMEASURE") == "1")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    client = nbclient.NotebookClient(jupytext.read(path), timeout=1200, kernel_name="python3",
+    client = nbclient.NotebookClient(notebook, timeout=1200, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
+    start, failure = time.perf_counter(), None
     try:
         client.execute(env=env)
     except nbclient.exceptions.CellExecutionError as exc:
-        pytest.fail(f"{path.name} failed on the GPU:\n{str(exc)[-5000:]}")
+        failure = str(exc)[-5000:]
+    if os.environ.get("LOWPREC_CHAPTER_TIMES"):
+        chapter_time(Path(os.environ["LOWPREC_CHAPTER_TIMES"]), path, remeasured, time.perf_counter() - start,
+                     failure)
+    if failure:
+        pytest.fail(f"{path.name} failed on the GPU:\n{failure}")
+
+
+PARAMETER = "REMEASURE = False"
+
+
+def remeasure_notebook(path: Path, remeasure: bool):
+    """(the chapter as a notebook, whether its parameter cell now reads `REMEASURE = True`): with `remeasure`,
+    the first code cell holding PARAMETER is set to True; a chapter without that parameter is unchanged."""
+    import jupytext
+
+    notebook = jupytext.read(path)
+    cell = next((c for c in notebook.cells if c.cell_type == "code" and PARAMETER in c.source), None)
+    if remeasure and cell is not None:
+        cell.source = cell.source.replace(PARAMETER, "REMEASURE = True", 1)
+    return notebook, remeasure and cell is not None
+
+
+def chapter_time(folder: Path, path: Path, remeasured: bool, seconds: float, failure: str | None) -> None:
+    """DIR/<chapter>.json: the chapter, whether it re-measured, its wall time, pass or the error's tail, and
+    the machine (`runs.provenance`)."""
+    from lowprec.runs import provenance, write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / f"{path.stem}.json", {
+        "chapter": path.name, "remeasure": remeasured, "seconds": round(seconds, 1),
+        "passed": failure is None, "error": failure and failure[-1500:], "provenance": provenance()})
+
+
+def test_remeasure_notebook_sets_the_parameter_and_times_are_recorded(tmp_path: Path) -> None:
+    """LOWPREC_REMEASURE's switch and LOWPREC_CHAPTER_TIMES's record, as the GPU test uses them (CPU)."""
+    chapter = ROOT / "book" / "03-explosion.md"
+    notebook, remeasured = remeasure_notebook(chapter, True)
+    sources = [c.source for c in notebook.cells if c.cell_type == "code"]
+    assert remeasured and any("REMEASURE = True" in s for s in sources)
+    assert not any(PARAMETER in s for s in sources)
+    assert remeasure_notebook(chapter, False)[1] is False
+    assert remeasure_notebook(ROOT / "book" / "01-rounding.md", True)[1] is False, "no parameter: unchanged"
+    chapter_time(tmp_path, chapter, remeasured, 12.34, None)
+    record = json.loads((tmp_path / "03-explosion.json").read_text())
+    assert (record["chapter"], record["remeasure"], record["seconds"], record["passed"]) == (
+        "03-explosion.md", True, 12.3, True) and "git_commit" in record["provenance"]
 
 
 def pages(site: Path) -> list[Path]:

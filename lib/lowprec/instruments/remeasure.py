@@ -42,12 +42,12 @@ def chapter3(smoke: bool) -> dict:
 
     if smoke:
         common = ["max_iters=20", "telemetry_interval=10", "eval_interval=0", "ckpt_interval=-1",
-                  "progress=false"]
+                  "progress=false"]  # a GPU's 600 steps show the trainer's progress bar
         base = "smoke-cpu"
         specs = {"paper64": "emulated/precision=paper:tile=64", "fa2": "emulated/precision=fa2"}
     else:
         common = ["lr=2e-3", "warmup_iters=200", "lr_decay_iters=30000", "max_iters=600",
-                  "telemetry_interval=50", "eval_interval=0", "ckpt_interval=-1", "progress=false"]
+                  "telemetry_interval=50", "eval_interval=0", "ckpt_interval=-1", "progress=true"]
         base = "gpu-6l"
         specs = {"paper64": "triton/precision=paper:tile=64", "fa2": "triton/precision=fa2"}
     result = {}
@@ -81,7 +81,7 @@ def chapter4(smoke: bool) -> dict:
         recipe = ["lr=2e-3", "warmup_iters=200", "lr_decay_iters=30000", "max_iters=600",
                   "telemetry_interval=50", "attention=triton/precision=paper:tile=64"]
         base, measure = "gpu-6l", ["--batches", "4", "--keys-batches", "2", "--batch-size", "8"]
-    common = ["seed=1337", "eval_interval=0", "ckpt_interval=0", "progress=false"]
+    common = ["seed=1337", "eval_interval=0", "ckpt_interval=0", f"progress={str(not smoke).lower()}"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "paper64"
         train(get_config(base, [*recipe, *common]), out)
