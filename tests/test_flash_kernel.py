@@ -422,6 +422,39 @@ def test_gpu_kernel_matches_emulator_statistically():
         assert_within_flash_attention_rule(functools.partial(flash_attention, fix=fix), q, k, v, do)
 
 
+def test_the_autotuners_pick_is_kept_per_shape_and_dtype(monkeypatch):
+    """`_launch`'s autotuned branch (kernels stubbed, CPU): a launch key's first call goes through the
+    autotuner, later calls launch its pick; another dtype of q or of the fourth tensor, or another size, is
+    another key."""
+    import triton
+    from lowprec.attention import flash
+
+    calls = []
+
+    class Stub:
+        best_config = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.name, kwargs.get("BLOCK_M")))
+
+    monkeypatch.setitem(flash._KERNELS, "fwd", (Stub("kernel"), Stub("tuner")))
+    monkeypatch.setattr(flash, "_picks", {})
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        bf16, fp32 = torch.bfloat16, torch.float32
+        for dtypes, n in (((bf16, bf16), 64), ((bf16, bf16), 64), ((fp32, fp32), 64), ((bf16, fp32), 64),
+                          ((bf16, bf16), 65)):
+            q, k, v, o = (torch.empty(1, 1, n, 16, dtype=dtypes[i == 3]) for i in range(4))
+            flash._launch("fwd", (0, 0), n, 1, "BLOCK_M", q, k, v, o, sizes=(n, n, 1, 1), D=16, BLOCK_D=16)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert calls == [("tuner", None), ("kernel", 32), ("tuner", None), ("tuner", None), ("tuner", None)]
+
+
 @on_gpu
 def test_a_tuned_shape_launches_without_the_autotuner(monkeypatch):
     """Once the autotuner has picked for a launch key, the same shape launches its pick directly (none of

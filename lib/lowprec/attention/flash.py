@@ -180,8 +180,9 @@ def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *arg
         options = {"num_warps": warps, "num_stages": stages}
         _pinned_launched[f"{name} d{block_d}"] = "x".join(map(str, (*blocks, warps, stages)))
     else:
-        key = (name, sizes, tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor)),
-               tuple(constexprs.items()))  # one call site per kernel: its keywords come in one order
+        # the dtypes of q and of the fourth tensor (o forward, dO backward) fix every tensor's (k and v are
+        # q's, lse and delta fp32, the counters int32); one call site per kernel: its keywords in one order
+        key = (name, sizes, args[0].dtype, args[3].dtype, tuple(constexprs.items()))
         picked = _picks.get(key)
         if picked is None:
             tuned[grid](*args, **constexprs)
@@ -320,17 +321,20 @@ _forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 class _EagerFlash(torch.autograd.Function):
     """The custom ops' forward and backward for eager calls, without their dispatch: torch.library's
-    autograd wrapper costs ~0.2 ms of host time per call, longer than a short kernel."""
+    autograd wrapper costs ~0.2 ms of host time per call, longer than a short kernel. The plain options come
+    as one tuple (autograd inspects every argument of `apply`, a few microseconds for the ten of them)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, seed, with_stats, options):
+        inputs = (q, k, v, seed, with_stats, *options)
         output = _flash_forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, do, dlse, dstats):
-        return _backward_formula(ctx, do, dlse, dstats, _flash_backward)
+        dq, dk, dv, *_ = _backward_formula(ctx, do, dlse, dstats, _flash_backward)
+        return dq, dk, dv, None, None, None
 
 
 @torch.compiler.assume_constant_result
@@ -401,8 +405,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     options, stochastic = _kernel_options(q.dtype, q.shape[-1], q.is_cuda, causal, scale, fix, precision,
                                           block_m, block_n)
     seed = (-1 if stochastic else 0) if seed is None else seed
-    forward = torch.ops.lowprec.flash_forward if torch.compiler.is_compiling() else _EagerFlash.apply
-    o, lse, stats = forward(q, k, v, seed, return_stats, *options)
+    if torch.compiler.is_compiling():
+        o, lse, stats = torch.ops.lowprec.flash_forward(q, k, v, seed, return_stats, *options)
+    else:
+        o, lse, stats = _EagerFlash.apply(q, k, v, seed, return_stats, options)
     extra = ([lse] if return_lse else []) + ([AttentionStats(*stats.unbind(0))] if return_stats else [])
     return (o, *extra) if extra else o
 
