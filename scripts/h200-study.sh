@@ -18,6 +18,9 @@
 #                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
 #                                  $OUT/probe.tgz
+#   PHASE=take PACK=<queue>.tgz    here, not on the GPU machine: copies a pack's finished runs (not those still
+#                                  "running" when it was packed) and study logs into INTO/<queue folder>
+#                                  (default results/explode), metrics gzipped as the repository keeps them
 # QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues; a queue's
 # records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
@@ -99,6 +102,25 @@ wait|pack)
   [ -e probe.log ] && tar czf "$OUT/probe.tgz" --exclude=checkpoint --exclude=writer.lock probe.log \
     $(ls -d time-* overhead.json probe-tests.log 2> /dev/null)
   ls -la "$OUT" ;;
+take)
+  into=${INTO:-results/explode}; tmp=$(mktemp -d)
+  tar xzf "$PACK" -C "$tmp" || exit 1
+  for queue in "$tmp"/*/; do
+    name=$(basename "$queue")
+    for run in "$queue"*/; do
+      [ -e "$run/summary.json" ] || continue
+      status=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["status"])' "$run/summary.json")
+      run_name=$(basename "$run")
+      if [ "$status" = running ]; then echo "$name/$run_name: still running when packed, left out"; continue; fi
+      rm -rf "${into:?}/$name/$run_name"
+      cp -r "$run" "$into/$name/$run_name"
+      [ -e "$queue$run_name.log" ] && cp "$queue$run_name.log" "$into/$name/"
+      [ -e "$into/$name/$run_name/metrics.jsonl" ] && gzip -n9 -f "$into/$name/$run_name/metrics.jsonl"
+      echo "$name/$run_name: $status"
+    done
+    cp "$queue"study-*.json "$into/$name/" 2> /dev/null
+  done
+  rm -rf "$tmp" ;;
 *)
-  echo "PHASE must be unpack, probe, go, wait or pack" >&2; exit 2 ;;
+  echo "PHASE must be unpack, probe, go, wait, pack or take" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """scripts/h200-study.sh on the CPU with tiny queues: go over two queues (the first capped by FIRST, a probe's
-estimate passed to the queue with its arm), wait within CALL_START's limit, and a pack per queue."""
+estimate passed to the queue with its arm), wait within CALL_START's limit, a pack per queue, and a pack taken
+back into a results folder (finished runs only)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,21 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     for name, run in (("grid", "attn-fp32-lr8e-3-s1"), ("survival", "model-fp32-s1")):
         with tarfile.open(out / f"{name}.tgz") as pack:
             assert f"{name}/{run}/summary.json" in pack.getnames()
+
+    # PHASE=take, here: a pack's finished runs into the queue's folder, a run still going left out
+    packed = work / "grid" / "attn-fp32-lr8e-3-s1"
+    going = work / "grid" / "fa2-lr8e-3-s1"
+    going.mkdir()
+    (going / "summary.json").write_text(json.dumps({"status": "running"}))
+    with tarfile.open(out / "grid.tgz", "w:gz") as pack:
+        pack.add(work / "grid", arcname="grid")
+    into = tmp_path / "results"
+    (into / "grid").mkdir(parents=True)
+    taking = {**env, "PHASE": "take", "PACK": str(out / "grid.tgz"), "INTO": str(into)}
+    take = subprocess.run(script, env=taking, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert take.returncode == 0, take.stderr
+    kept = into / "grid" / "attn-fp32-lr8e-3-s1"
+    assert (kept / "metrics.jsonl.gz").is_file() and not (kept / "metrics.jsonl").exists()
+    assert (kept / "summary.json").read_text() == (packed / "summary.json").read_text()
+    assert not (into / "grid" / "fa2-lr8e-3-s1").exists() and "still running when packed" in take.stdout
+    assert list((into / "grid").glob("study-*.json")), "the study's log comes along"
