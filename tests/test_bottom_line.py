@@ -15,11 +15,15 @@ from lowprec.viz.bottom_line import (
     RESULTS,
     STUDY,
     StaleClaim,
+    bf16_of,
     bias_noise_sources,
     bottom_line,
+    early_rows,
     explode_records,
     explode_runs,
     hunt_records,
+    record_runs,
+    run_rows,
     shared_spikes,
 )
 
@@ -151,3 +155,17 @@ def test_shared_spikes_group_a_seeds_runs_by_their_first_spike() -> None:
     spikes = {f.name: outcomes(load_run(f))["spike"] for f in folders if f.is_dir()}
     assert {r.name.split("/")[-1] for r in same} == {name for name, s in spikes.items() if s == step}
     assert "model-fp32-s1" in spikes and spikes["model-fp32-s1"] == step and len(same) >= 3
+
+
+def test_run_rows_name_every_run_as_the_chapters_do() -> None:
+    """A hunt run by today's `<arm>-s<seed>`, a grid cell by its folder (two cells of one arm and seed stay
+    apart), one row per run, and the earlier recipes' 25 runs (none of the study's, none exploded)."""
+    runs, rows = record_runs(), run_rows()
+    assert ("lead-s1337", "paper64-s1337") in runs, "the authors' placement under its current arm name"
+    assert {("lr-qknorm", "fa2-lr8e-3-s1"), ("lr-qknorm", "fa2-lr8e-3-qkln-s1")} <= set(runs)
+    assert len(rows) == len(runs) and {(r["experiment"], r["run"]) for r in rows} == set(runs)
+    assert {r["arm"] for r in rows if r["experiment"] == "lr-qknorm"} >= {"fa2-lr8e-3", "fa2-lr8e-3-qkln"}
+    early = early_rows(rows)
+    assert len(early) == 25 and not any(r["explosion"] or r["experiment"] in STUDY for r in early)
+    assert [bf16_of(frozenset(p)) for p in ({"scores", "rowsum"}, {"scores"}, {"rowsum"}, {"weights"})] == [
+        "scores and row sum", "scores", "row sum", "neither"]

@@ -4,8 +4,9 @@ what is untested, where each is shown), every number counted from the committed 
 `bottom_line` checks each claim it words against the records and raises `StaleClaim` when one no longer
 holds, so the text cannot go stale silently. `explode_records` reads every training run under
 results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
-runaway, spike, explosion); `select`, `tally`, `rate`, `queue_progress`, `study_groups` and `shared_spikes`
-count them for the chapters too.
+runaway, spike, explosion); `record_runs` names every run as the chapters do, `run_rows` makes their table
+rows and `early_rows` picks the earlier recipes'; `select`, `tally`, `rate`, `queue_progress`, `study_groups`
+and `shared_spikes` count them for the chapters too.
 """
 
 from __future__ import annotations
@@ -15,9 +16,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowprec.analysis import first_difference, first_layer, largest_logit, outcomes, recipe, wilson
+from lowprec.analysis import (
+    first_difference,
+    first_layer,
+    largest_logit,
+    outcomes,
+    recipe,
+    recipe_label,
+    split_name,
+    wilson,
+)
 from lowprec.instruments import study
-from lowprec.instruments.explode import arm_of
+from lowprec.instruments.explode import arm_of, record_name, rounded_points
 from lowprec.runs import REPO, Run, experiments, load_experiment, load_run
 
 RESULTS = REPO / "results"
@@ -81,6 +91,39 @@ def explode_records(results: Path = RESULTS) -> dict[str, Run]:
 def explode_runs(results: Path = RESULTS) -> dict[str, RunFacts]:
     """The `RunFacts` of every run of `explode_records`, by the same names."""
     return {name: facts(run, name) for name, run in explode_records(results).items()}
+
+
+@functools.cache
+def record_runs(results: Path = RESULTS) -> dict[tuple[str, str], Run]:
+    """Every training run under results/explode/ by (experiment folder, name): a hunt experiment's runs by
+    `<arm>-s<seed>` (`explode.record_name`: today's arm names), a study queue's by its folders'
+    `<group>-s<seed>` (a grid cell's tag is in the folder's name only)."""
+    return {(folder.name, name): run for folder in experiments(Path(results) / "explode")
+            for name, run in load_experiment(folder, None if folder.name in STUDY else record_name).items()}
+
+
+def bf16_of(points: frozenset[str]) -> str:
+    """Which of the scores and the row sum a set of rounding points (`explode.rounded_points`) rounds to
+    bf16: "scores and row sum", "scores", "row sum" or "neither"."""
+    return {2: "scores and row sum", 0: "neither"}.get(len(points & {"scores", "rowsum"}),
+                                                         "scores" if "scores" in points else "row sum")
+
+
+def run_rows(results: Path = RESULTS) -> list[dict]:
+    """One row per run of `record_runs`: experiment, run, arm (`analysis.split_name`), recipe
+    (`analysis.recipe_label`), bf16 (`bf16_of` its attention), and its events (`analysis.outcomes`)."""
+    return [{"experiment": folder, "run": name, "arm": split_name(name)[0],
+             "recipe": recipe_label(recipe(run)),
+             "bf16": bf16_of(rounded_points(run.config["model"]["attention"])), **outcomes(run)}
+            for (folder, name), run in record_runs(results).items()]
+
+
+def early_rows(rows: list[dict]) -> list[dict]:
+    """The hunt's rows (no study queue) of its earlier recipes: every recipe but the lead's (`lead-s1337`),
+    its eight-fold batch (`bigbatch`) and its other corpus (`corpus32k`)."""
+    recipe_of = {r["experiment"]: r["recipe"] for r in rows}
+    later = {recipe_of[folder] for folder in ("lead-s1337", "bigbatch", "corpus32k")}
+    return [r for r in rows if r["experiment"] not in STUDY and r["recipe"] not in later]
 
 
 def hunt_records(results: Path = RESULTS) -> dict[str, Run]:
