@@ -14,10 +14,12 @@ from lowprec.runs import load_run
 from lowprec.viz.bottom_line import (
     RESULTS,
     STUDY,
+    RunFacts,
     StaleClaim,
     bf16_of,
     bias_noise_sources,
     bottom_line,
+    common_spikes,
     early_rows,
     explode_records,
     explode_runs,
@@ -169,3 +171,17 @@ def test_run_rows_name_every_run_as_the_chapters_do() -> None:
     assert len(early) == 25 and not any(r["explosion"] or r["experiment"] in STUDY for r in early)
     assert [bf16_of(frozenset(p)) for p in ({"scores", "rowsum"}, {"scores"}, {"rowsum"}, {"weights"})] == [
         "scores and row sum", "scores", "row sum", "neither"]
+
+
+def test_common_spikes_per_seed_earliest_of_a_tie() -> None:
+    """Synthetic runs: per seed the most common first-spike step and its runs; a tie goes to the earlier step;
+    a seed with one run, or whose runs never spiked, has none."""
+    def run(name: str, seed: int, spike: int | None) -> RunFacts:
+        return RunFacts(name=name, arm=name, seed=seed, config="gpu-6l", lr=2e-3, tokens_per_step=32_768,
+                        corpus="c", steps=8000, runaway=None, first_layer=None, spike=spike, explosion=None)
+
+    runs = [run("a", 1, 500), run("b", 1, 500), run("c", 1, 300), run("d", 2, 900), run("e", 2, 700),
+            run("f", 3, 100), run("g", 4, None), run("h", 4, None)]
+    found = common_spikes(runs)
+    assert {seed: (step, [r.name for r in same]) for seed, (step, same) in found.items()} == {
+        1: (500, ["a", "b"]), 2: (700, ["e"])}

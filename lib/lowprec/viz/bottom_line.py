@@ -6,7 +6,7 @@ holds, so the text cannot go stale silently. `explode_records` reads every train
 results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
 runaway, spike, explosion); `record_runs` names every run as the chapters do, `run_rows` makes their table
 rows and `early_rows` picks the earlier recipes'; `select`, `tally`, `rate`, `queue_progress`, `study_groups`
-and `shared_spikes` count them for the chapters too.
+and `shared_spikes` (`common_spikes`) count them for the chapters too.
 """
 
 from __future__ import annotations
@@ -183,17 +183,23 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
     """Per seed with more than one done run of a study queue (`study_groups`): the step at which most of its
-    runs first spiked (`RunFacts.spike`), and those runs."""
+    runs first spiked (`common_spikes`), and those runs."""
+    return common_spikes([r for group in study_groups(queue, results).values() for r in group])
+
+
+def common_spikes(runs: list[RunFacts]) -> dict[int, tuple[int, list[RunFacts]]]:
+    """Per seed with more than one run among `runs`: the step at which most of them first spiked
+    (`RunFacts.spike`; of equally common steps the earliest), and those runs; seeds whose runs never spiked
+    are left out."""
     by_seed: dict[int, list[RunFacts]] = {}
-    for group in study_groups(queue, results).values():
-        for r in group:
-            by_seed.setdefault(r.seed, []).append(r)
+    for r in runs:
+        by_seed.setdefault(r.seed, []).append(r)
     out = {}
-    for seed, runs in sorted(by_seed.items()):
-        steps = [r.spike for r in runs if r.spike is not None]
-        if len(runs) > 1 and steps:
-            step = max(set(steps), key=steps.count)
-            out[seed] = (step, [r for r in runs if r.spike == step])
+    for seed, group in sorted(by_seed.items()):
+        steps = [r.spike for r in group if r.spike is not None]
+        if len(group) > 1 and steps:
+            step = max(sorted(set(steps)), key=steps.count)
+            out[seed] = (step, [r for r in group if r.spike == step])
     return out
 
 
