@@ -22,6 +22,7 @@ import torch
 from lowprec.attention.dispatch import sdpa_attention, sdpa_failure
 from lowprec.attention.fix import Fix
 from lowprec.checks import option
+from tqdm import tqdm
 
 HIDDEN = 2048  # heads x head_dim, as in the FlashAttention-2 paper's benchmarks
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -238,33 +239,31 @@ def run(args: argparse.Namespace) -> int:
         "results": [],
     }
     start = time.perf_counter()
+    shapes = tqdm([(seq, head_dim, causal) for seq in seqs for head_dim in dims for causal in causals],
+                  desc="shapes", mininterval=10, disable=args.smoke)  # minutes on a GPU: show how far it is
     if args.launch:
         record["launch"] = []
-        for seq in seqs:
-            for head_dim in dims:
-                for causal in causals:
-                    batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
-                    record["launch"] += launch_overhead(impls, batch, heads, seq, head_dim, causal, device,
-                                                        2 if args.smoke else LAUNCH_CALLS)
+        for seq, head_dim, causal in shapes:
+            batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
+            record["launch"] += launch_overhead(impls, batch, heads, seq, head_dim, causal, device,
+                                                2 if args.smoke else LAUNCH_CALLS)
         record["seconds"] = round(time.perf_counter() - start, 1)
         if args.out:
             write_json(args.out, record)
         print(launch_table(record["launch"]))
         return 0
-    for seq in seqs:
-        for head_dim in dims:
-            for causal in causals:
-                batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
-                over_budget = time.perf_counter() - start > args.budget  # all implementations or none
-                measured = {} if over_budget else bench_config(impls, batch, heads, seq, head_dim, causal,
-                                                               device, 1 if args.smoke else args.rounds)
-                for name in impls:
-                    row = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}
-                    row["causal"] = causal
-                    row |= measured.get(name, {"skipped": "time budget"})
-                    record["results"].append(row)
-                if args.out:
-                    write_json(args.out, record)
+    for seq, head_dim, causal in shapes:
+        batch, heads = max(1, tokens // seq), max(1, hidden // head_dim)
+        over_budget = time.perf_counter() - start > args.budget  # all implementations or none
+        measured = {} if over_budget else bench_config(impls, batch, heads, seq, head_dim, causal, device,
+                                                       1 if args.smoke else args.rounds)
+        for name in impls:
+            row = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim}
+            row["causal"] = causal
+            row |= measured.get(name, {"skipped": "time budget"})
+            record["results"].append(row)
+        if args.out:
+            write_json(args.out, record)
     record["seconds"] = round(time.perf_counter() - start, 1)
     record["configs"] = autotuned_configs()
     record["fix_overhead"] = fix_overhead(record["results"])
