@@ -18,9 +18,9 @@
 #                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
 #                                  $OUT/probe.tgz
-#   PHASE=take PACK=<queue>.tgz    here, not on the GPU machine: copies a pack's finished runs (not those still
-#                                  "running" when it was packed) and study logs into INTO/<queue folder>
-#                                  (default results/explode), metrics gzipped as the repository keeps them
+#   PHASE=take PACK=<queue>.tgz    here, not on the GPU machine: copies a pack's done runs (an outcome at the
+#                                  queue's horizon, `study.run_state`) and study logs into INTO/<queue folder>
+#                                  (default results/explode, which holds queue.json), metrics gzipped
 # QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues; a queue's
 # records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
@@ -107,16 +107,24 @@ take)
   tar xzf "$PACK" -C "$tmp" || exit 1
   for queue in "$tmp"/*/; do
     name=$(basename "$queue")
-    for run in "$queue"*/; do
-      [ -e "$run/summary.json" ] || continue
-      status=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["status"])' "$run/summary.json")
-      run_name=$(basename "$run")
-      if [ "$status" = running ]; then echo "$name/$run_name: still running when packed, left out"; continue; fi
+    # shellcheck disable=SC2016
+    python3 -c '
+import sys
+from pathlib import Path
+from lowprec.instruments import study
+horizon = study.load_queue(sys.argv[2])["horizon"]
+for run in sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_dir()):
+    print(run.name, study.run_state([run], horizon)[0])
+' "$queue" "$into/$name/queue.json" | while read -r run_name state; do
+      if [ "$state" != done ]; then
+        echo "$name/$run_name: no outcome at the horizon (still running when packed, or stopped), left out"
+        continue
+      fi
       rm -rf "${into:?}/$name/$run_name"
-      cp -r "$run" "$into/$name/$run_name"
+      cp -r "$queue$run_name" "$into/$name/$run_name"
       [ -e "$queue$run_name.log" ] && cp "$queue$run_name.log" "$into/$name/"
       [ -e "$into/$name/$run_name/metrics.jsonl" ] && gzip -n9 -f "$into/$name/$run_name/metrics.jsonl"
-      echo "$name/$run_name: $status"
+      echo "$name/$run_name: done"
     done
     cp "$queue"study-*.json "$into/$name/" 2> /dev/null
   done

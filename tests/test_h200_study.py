@@ -61,6 +61,7 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
         pack.add(work / "grid", arcname="grid")
     into = tmp_path / "results"
     (into / "grid").mkdir(parents=True)
+    (into / "grid" / "queue.json").write_text(first.read_text())  # a queue's folder holds its queue
     taking = {**env, "PHASE": "take", "PACK": str(out / "grid.tgz"), "INTO": str(into)}
     take = subprocess.run(script, env=taking, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert take.returncode == 0, take.stderr

@@ -463,4 +463,3 @@ def lr_sweep(groups: dict[str, list[Run]], horizon: int) -> dict[str, list[dict]
                      "final_loss": statistics.median(run.summary["final_loss"] for run in runs)}
                     for lr, runs in sorted(by_lr.items())]
             for label, by_lr in series.items()}
-

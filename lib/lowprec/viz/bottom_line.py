@@ -93,13 +93,20 @@ def explode_runs(results: Path = RESULTS) -> dict[str, RunFacts]:
     return {name: facts(run, name) for name, run in explode_records(results).items()}
 
 
-@functools.cache
 def record_runs(results: Path = RESULTS) -> dict[tuple[str, str], Run]:
-    """Every training run under results/explode/ by (experiment folder, name): a hunt experiment's runs by
+    """The runs of `explode_records` by (experiment folder, name): a hunt experiment's runs by
     `<arm>-s<seed>` (`explode.record_name`: today's arm names), a study queue's by its folders'
-    `<group>-s<seed>` (a grid cell's tag is in the folder's name only)."""
-    return {(folder.name, name): run for folder in experiments(Path(results) / "explode")
-            for name, run in load_experiment(folder, None if folder.name in STUDY else record_name).items()}
+    `<group>-s<seed>` (a grid cell's tag is in the folder's name only). ValueError if two runs of one
+    folder get one name."""
+    runs: dict[tuple[str, str], Run] = {}
+    for key, run in explode_records(results).items():
+        folder, _, name = key.partition("/")
+        named = (folder, name if folder in STUDY else record_name(run.config))
+        if named in runs:
+            raise ValueError(f"{folder}: two runs named {named[1]!r} "
+                             f"({runs[named].path.name}, {run.path.name})")
+        runs[named] = run
+    return runs
 
 
 def bf16_of(points: frozenset[str]) -> str:
@@ -177,8 +184,19 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
     _, _, names = queue_progress(Path(results) / "explode" / queue / "queue.json")
     groups: dict[str, list[RunFacts]] = {}
     for name in sorted(names):
-        groups.setdefault(name.rsplit("-s", 1)[0], []).append(runs[f"{queue}/{name}"])
+        groups.setdefault(split_name(name)[0], []).append(runs[f"{queue}/{name}"])
     return groups
+
+
+GRID_PLACEMENTS = ("fa2", "paper64", "attn-fp32")  # the lr-qknorm queue's arms
+
+
+def grid_cell(lr: str, qk_layernorm: bool = False, results: Path = RESULTS) -> dict[str, list[RunFacts]]:
+    """The lr-qknorm queue's done runs at one learning rate (as its tags write it: "8e-3"), with or without
+    QK-LayerNorm, by placement (`GRID_PLACEMENTS`; an empty list where none is done)."""
+    groups = study_groups("lr-qknorm", results)
+    tag = f"-lr{lr}" + ("-qkln" if qk_layernorm else "")
+    return {arm: groups.get(arm + tag, []) for arm in GRID_PLACEMENTS}
 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
@@ -247,9 +265,7 @@ def bottom_line(results: Path = RESULTS) -> str:
           "fp32pv at 262k: both runs of seed 1337 ran away, neither exploded")
     study_arms = study_groups("survival", results)
     lr_groups = study_groups("lr-qknorm", results)
-    placements = ("fa2", "paper64", "attn-fp32")
-    high = {arm: lr_groups.get(f"{arm}-lr8e-3", []) for arm in placements}
-    normed = {arm: lr_groups.get(f"{arm}-lr8e-3-qkln", []) for arm in placements}
+    high, normed = grid_cell("8e-3", False, results), grid_cell("8e-3", True, results)
     plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
     claim(all(group and all(r.runaway is not None for r in group) for group in high.values()),
           "every placement ran away at 8e-3, attention in fp32 included")
