@@ -8,6 +8,9 @@
 #                        expression narrowing the chapters, e.g. "explosion or mechanism")
 #   PHASE=wait           waits for it to end, or until 580 s after CALL_START (the call's start, seconds since the
 #                        epoch), then packs $OUT/chapters.tgz (the records and the log)
+# Chapters 3 and 4 re-run on the lead's corpus: pack it here (`lowprec data pack data/gpt2-permissive --out
+# .carry/p0`, 11 MiB) and unpack it on the machine in an earlier call (it does not fit beside .whl):
+#   DATA=data/gpt2-permissive PHASE=unpack SHARDS=.carry/p0 bash scripts/h200-study.sh
 # Usage (repo root, carry [".whl"]): LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) PHASE=start bash scripts/h200-chapters.sh
 set -u
 WORK=${WORK:-/tmp/chapters}

@@ -2,6 +2,7 @@
 # The attribution study on a GPU machine (results/explode/survival/queue.json), in phases so that its work
 # outlives one device call:
 #   PHASE=unpack SHARDS=.carry/cN  applies one carried shard folder of the corpus to data/gpt2-english+code
+#                                  (DATA=data/gpt2-permissive: the lead's corpus, which chapters 3 and 4 re-run on)
 #   PHASE=probe [ARM=model-fp32]   in its own process session, while later shards travel (the GPU idles):
 #                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
 #                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
@@ -27,7 +28,7 @@
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1
-WORK=${WORK:-/tmp/study}; DATA=data/gpt2-english+code
+WORK=${WORK:-/tmp/study}; DATA=${DATA:-data/gpt2-english+code}
 QUEUE=${QUEUE:-results/explode/survival/queue.json}
 mkdir -p "$WORK"
 case "$PHASE" in

@@ -24,6 +24,7 @@ from lowprec.cli import main as cli_main
 from lowprec.data import (
     DEFAULT_SOURCES,
     SOURCES,
+    MissingData,
     TokenData,
     batch_from_indices,
     batch_indices,
@@ -347,6 +348,25 @@ def test_tokendata_errors_name_the_path_and_the_fix(tmp_path):
     (out / "manifest.json").unlink()
     with pytest.raises(FileNotFoundError, match="incomplete"):
         TokenData(out)
+
+
+def test_missing_data_shows_as_one_line_in_a_notebook(tmp_path, capsys):
+    """A cell that trains on absent data (a chapter's re-measurement on a fresh machine) ends in the message
+    that names the command, not a traceback through the trainer (IPython's `_render_traceback_`)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    missing = tmp_path / "nope"
+    with pytest.raises(MissingData) as caught:
+        TokenData(missing)
+    assert caught.value._render_traceback_() == [f"MissingData: {caught.value}"]
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell(f"from lowprec.data import TokenData\nTokenData({str(missing)!r})")
+    finally:
+        InteractiveShell.clear_instance()
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert shown == [f"MissingData: no prepared token data at {missing}: create it with `lowprec data "
+                     f"prepare --out {missing}` (with the --sources/--tokenizer you want)"], shown
 
 
 def test_manifest_flags_gpl_and_local_only(tmp_path):

@@ -11,10 +11,10 @@ from lowprec.data.prepare import prepare, sample_data
 from lowprec.data.sampler import batch_from_indices, batch_indices, sample_batch
 from lowprec.data.sources import DEFAULT_SOURCES, GROUPS, SLICES, SOURCES, resolve_sources
 from lowprec.data.tokenizers import EOT_TEXT, TOKENIZERS, get_tokenizer
-from lowprec.data.tokens import TokenData, data_root, default_data_dir
+from lowprec.data.tokens import MissingData, TokenData, data_root, default_data_dir
 
 __all__ = [
-    "DEFAULT_SOURCES", "EOT_TEXT", "GROUPS", "SLICES", "SOURCES", "TOKENIZERS", "TokenData",
+    "DEFAULT_SOURCES", "EOT_TEXT", "GROUPS", "MissingData", "SLICES", "SOURCES", "TOKENIZERS", "TokenData",
     "batch_from_indices", "batch_indices", "data_root", "default_data_dir", "get_tokenizer", "pack",
     "prepare", "resolve_sources", "sample_batch", "sample_data", "unpack",
 ]

@@ -18,6 +18,14 @@ FORMAT = "lowprec-tokens/1"
 SPLITS = ("train", "val")
 
 
+class MissingData(FileNotFoundError):
+    """No prepared data dir (or an incomplete one) where a run looks: the message names the command that makes
+    it. In a notebook it shows as that one line, not a traceback through the trainer."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
 def data_root() -> Path:
     """`$LOWPREC_DATA`, else `<repo>/data` (git-ignored) in a source checkout."""
     if os.environ.get("LOWPREC_DATA"):
@@ -25,7 +33,7 @@ def data_root() -> Path:
     repo = Path(__file__).resolve().parents[3]
     if (repo / "pyproject.toml").is_file():
         return repo / "data"
-    raise FileNotFoundError("no data directory: set LOWPREC_DATA to a folder for token data (or pass a dir)")
+    raise MissingData("no data directory: set LOWPREC_DATA to a folder for token data (or pass a dir)")
 
 
 def default_data_dir(tokenizer: str = "gpt2", sources: str | Iterable[str] | None = None) -> Path:
@@ -58,10 +66,10 @@ class TokenData:
         self.path = path if path is not None else default_data_dir()
         remake = f"`lowprec data prepare --out {self.path}` (with the --sources/--tokenizer you want)"
         if not self.path.is_dir():
-            raise FileNotFoundError(f"no prepared token data at {self.path}: create it with {remake}")
+            raise MissingData(f"no prepared token data at {self.path}: create it with {remake}")
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
-            raise FileNotFoundError(f"{self.path} is incomplete (no manifest.json; an interrupted prepare?): "
+            raise MissingData(f"{self.path} is incomplete (no manifest.json; an interrupted prepare?): "
                                     f"re-create it with {remake}")
         try:
             self.manifest = json.loads(manifest_path.read_text())
@@ -93,7 +101,7 @@ class TokenData:
         info = self.manifest["splits"][split]
         path = self.path / info["file"]
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: re-create the data with {remake} --force")
+            raise MissingData(f"{path} is missing: re-create the data with {remake} --force")
         if path.stat().st_size != 2 * info["tokens"]:
             raise ValueError(f"{path} is truncated or wrong: {path.stat().st_size} bytes, manifest says "
                              f"{info['tokens']} uint16 tokens; re-create it with {remake} --force")
