@@ -156,6 +156,9 @@ def remeasure_notebook(path: Path, remeasure: bool):
     return notebook, remeasure and cell is not None
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of a notebook's traceback
+
+
 def chapter_time(folder: Path, path: Path, remeasured: bool, seconds: float, failure: str | None) -> None:
     """DIR/<chapter>.json: the chapter, whether it re-measured, its wall time, pass or the error's tail, and
     the machine (`runs.provenance`)."""
@@ -164,7 +167,8 @@ def chapter_time(folder: Path, path: Path, remeasured: bool, seconds: float, fai
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / f"{path.stem}.json", {
         "chapter": path.name, "remeasure": remeasured, "seconds": round(seconds, 1),
-        "passed": failure is None, "error": failure and failure[-1500:], "provenance": provenance()})
+        "passed": failure is None, "error": failure and ANSI.sub("", failure)[-1500:],
+        "provenance": provenance()})
 
 
 def test_remeasure_notebook_sets_the_parameter_and_times_are_recorded(tmp_path: Path) -> None:
@@ -180,6 +184,9 @@ def test_remeasure_notebook_sets_the_parameter_and_times_are_recorded(tmp_path: 
     record = json.loads((tmp_path / "03-explosion.json").read_text())
     assert (record["chapter"], record["remeasure"], record["seconds"], record["passed"]) == (
         "03-explosion.md", True, 12.3, True) and "git_commit" in record["provenance"]
+    chapter_time(tmp_path, chapter, remeasured, 1.0, "\x1b[31mMissingData\x1b[39m: no prepared token data")
+    record = json.loads((tmp_path / "03-explosion.json").read_text())
+    assert (record["passed"], record["error"]) == (False, "MissingData: no prepared token data"), record
 
 
 def pages(site: Path) -> list[Path]:

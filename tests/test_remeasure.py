@@ -53,3 +53,28 @@ def test_chapter5_remeasure_measures_the_cures_through_the_kernel() -> None:
     measured = {(row["cure"], row["causal"]) for row in live["cost"]}
     assert measured == {(name, causal) for name in names for causal in (False, True)}
     assert all(row["fwd+bwd_vs_fa2"] > 0 for row in live["cost"])
+
+
+def test_last_rerun_reads_the_newest_passing_remeasure(tmp_path) -> None:
+    """A page's re-run time comes from the newest GPU record that re-measured and passed; none: an error."""
+    import json
+
+    import pytest
+
+    def record(folder: str, time: str, remeasure: bool, passed: bool, seconds: float) -> None:
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "02-flash-attention.json").write_text(json.dumps({
+            "chapter": "02-flash-attention.md", "remeasure": remeasure, "seconds": seconds, "passed": passed,
+            "provenance": {"time": time, "device": "NVIDIA H200", "git_commit": folder[-7:] + "0" * 33,
+                           "torch": "2.11.0+cu130"}}))
+
+    with pytest.raises(FileNotFoundError, match="no passing GPU re-run of 02-flash-attention.md"):
+        remeasure.last_rerun("02-flash-attention.md", tmp_path)
+    record("gpu-chapters-aaaaaaa", "2026-12-01T00:00:00", True, True, 90.0)
+    record("gpu-chapters-bbbbbbb", "2026-12-03T00:00:00", True, False, 10.0)  # newer, failed
+    record("gpu-chapters-ccccccc", "2026-12-04T00:00:00", False, True, 20.0)  # newer, not re-measured
+    record("gpu-chapters-0000000", "2026-12-02T00:00:00", True, True, 150.0)  # sorts first, newest passing
+    rerun = remeasure.last_rerun("02-flash-attention.md", tmp_path)
+    assert (rerun["seconds"], rerun["commit"], rerun["torch"]) == (150.0, "0000000", "2.11.0")
+    assert rerun["note"] == ("With `REMEASURE = True` this page ran in 2.5 minutes on one NVIDIA H200 (torch "
+                             "2.11.0, commit 0000000).")

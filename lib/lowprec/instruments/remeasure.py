@@ -11,6 +11,28 @@ import json
 import tempfile
 from pathlib import Path
 
+RECORDS = Path(__file__).resolve().parents[3] / "results" / "book"  # gpu-chapters-<commit>/<page>.json
+
+
+def last_rerun(page: str, records: Path = RECORDS) -> dict:
+    """The newest record of `page` (a book page's file name) run on a GPU with `REMEASURE = True` that passed
+    (tests/test_book.py's GPU test writes them to gpu-chapters-<commit>/<page stem>.json): {"seconds",
+    "device", "commit", "torch", "note": one sentence for the page}. FileNotFoundError when there is none."""
+    found = []
+    for path in sorted(records.glob(f"gpu-chapters-*/{Path(page).stem}.json")):
+        record = json.loads(path.read_text())
+        if record["remeasure"] and record["passed"]:
+            found.append(record)
+    if not found:
+        raise FileNotFoundError(f"no passing GPU re-run of {page} under {records}/gpu-chapters-*")
+    record = max(found, key=lambda r: r["provenance"]["time"])
+    info = record["provenance"]
+    rerun = {"seconds": record["seconds"], "device": info["device"], "commit": info["git_commit"][:7],
+             "torch": info["torch"].split("+")[0]}
+    minutes = rerun["seconds"] / 60
+    return {**rerun, "note": f"With `REMEASURE = True` this page ran in {minutes:.1f} minutes on one "
+                             f"{rerun['device']} (torch {rerun['torch']}, commit {rerun['commit']})."}
+
 
 def invoke(module: str, argv: list[str]) -> int:
     """Run an instrument module as its `lowprec` subcommand would (its configure/run), in this process."""
