@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,17 @@ class RunFacts:
     first_layer: int | None
     spike: int | None
     explosion: int | None
+
+
+def latex(lr: float) -> str:
+    """A learning rate as the book writes it: $4 \\cdot 10^{-3}$."""
+    mantissa, exponent = f"{lr:e}".split("e")
+    return f"${float(mantissa):g} \\cdot 10^{{{int(exponent)}}}$"
+
+
+def last_logit(run: Run) -> float:
+    """The largest attention logit of any layer and head at a run's last telemetry sample."""
+    return max(map(max, run.telemetry("max_logit")[1][-1]))
 
 
 def facts(run: Run, name: str) -> RunFacts:
@@ -199,6 +211,22 @@ def grid_cell(lr: str, qk_layernorm: bool = False, results: Path = RESULTS) -> d
     return {arm: groups.get(arm + tag, []) for arm in GRID_PLACEMENTS}
 
 
+def qk_pairs(results: Path = RESULTS) -> dict[tuple[str, float], tuple[list[RunFacts], list[RunFacts]]]:
+    """Every lr-qknorm cell with a done QK-LayerNorm run: {(placement, learning rate): (the runs without it,
+    the runs with it)}, highest learning rate first, placements in `GRID_PLACEMENTS` order."""
+    groups = study_groups("lr-qknorm", results)
+    normed = [r for name, group in groups.items() if name.endswith("-qkln") for r in group]
+    pairs = {}
+    for lr in sorted({r.lr for r in normed}, reverse=True):
+        for arm in GRID_PLACEMENTS:
+            with_it = [r for r in normed if (r.arm, r.lr) == (arm, lr)]
+            without = [r for name, group in groups.items() if not name.endswith("-qkln") for r in group
+                       if (r.arm, r.lr) == (arm, lr)]
+            if with_it:
+                pairs[arm, lr] = (without, with_it)
+    return pairs
+
+
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
     """Per seed with more than one done run of a study queue (`study_groups`): the step at which most of its
     runs first spiked (`common_spikes`), and those runs."""
@@ -265,20 +293,34 @@ def bottom_line(results: Path = RESULTS) -> str:
           "fp32pv at 262k: both runs of seed 1337 ran away, neither exploded")
     study_arms = study_groups("survival", results)
     lr_groups = study_groups("lr-qknorm", results)
-    high, normed = grid_cell("8e-3", False, results), grid_cell("8e-3", True, results)
+    high, twice = grid_cell("8e-3", False, results), grid_cell("4e-3", False, results)
     plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
     claim(all(group and all(r.runaway is not None for r in group) for group in high.values()),
           "every placement ran away at 8e-3, attention in fp32 included")
-    claim(all(group and not any(r.runaway or r.spike or r.explosion for r in group)
-              for group in normed.values()),
-          "with QK-LayerNorm no placement ran away or spiked at 8e-3")
+    claim(all(len(group) == 1 for group in twice.values())
+          and [arm for arm, group in twice.items() if group[0].runaway] == ["paper64"],
+          "at 4e-3 (one seed) only paper64 ran away")
+    records = explode_records(results)
+    climbed = {arm: (largest_logit(records[group[0].name]), last_logit(records[group[0].name]))
+               for arm, group in twice.items()}
+    claim(all(peak > 500 and last < 300 for peak, last in climbed.values()),
+          "at 4e-3 every placement's largest logit climbed past 500 and fell back below 300")
     claim(plain_fa2 and plain_fp32 and not any(r.runaway for r in (*plain_fa2, *plain_fp32)),
           "fa2 and attn-fp32 at the recipe's learning rate: no survival runaway")
-    records = explode_records(results)
-    normed_logit = [largest_logit(records[r.name]) for group in normed.values() for r in group]
-    final = {key: [records[r.name].summary["final_loss"] for group in groups.values() for r in group]
-             for key, groups in (("plain", high), ("normed", normed))}
-    claim(max(final["normed"]) < min(final["plain"]), "QK-LayerNorm: a lower final loss in every placement")
+    pairs = qk_pairs(results)
+    normed = [r for _, with_it in pairs.values() for r in with_it]
+    claim(normed and not any(r.runaway or r.spike or r.explosion for r in normed),
+          "with QK-LayerNorm no run ran away or spiked")
+    compared = [(without[0], with_it[0]) for without, with_it in pairs.values() if without]
+    final = {r.name: records[r.name].summary["final_loss"] for pair in compared for r in pair}
+    claim(all(len(without) <= 1 and len(with_it) == 1 for without, with_it in pairs.values())
+          and all(final[normed_run.name] < final[plain_run.name] for plain_run, normed_run in compared),
+          "QK-LayerNorm: one seed per cell, a lower final loss than the same placement and rate without it")
+    normed_logit = [largest_logit(records[r.name]) for r in normed]
+    def loss_range(group: Iterable[RunFacts]) -> str:
+        losses = [final[r.name] for r in group]
+        return f"{min(losses):.2f}-{max(losses):.2f}"
+    lrs = sorted({r.lr for r in normed})
     why = (
         f"**Why, as far as the records show.** Not the paper's biased rounding of $\\bar P V$ alone: with "
         f"it unrounded (`paper64-fp32pv`) {rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The "
@@ -292,9 +334,13 @@ def bottom_line(results: Path = RESULTS) -> str:
         + ", ".join(f"`{arm}` at step {r.runaway:,}" for arm, group in high.items() for r in group)
         + f"; at the recipe's learning rate none of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} "
         f"`attn-fp32` survival runs did in 8,000 steps. So a high enough learning rate starts the runaway "
-        f"with no bf16 in the attention at all (the attention-logit growth of Wortsman et al. 2023); whether "
-        f"the bf16 placements lower the learning rate at which it starts is what the counts above measure, "
-        f"so far with too few runs.")
+        f"with no bf16 in the attention at all (the attention-logit growth of Wortsman et al. 2023). At "
+        f"twice "
+        f"the recipe's rate every placement's largest logit climbed and fell back ("
+        + ", ".join(f"`{arm}` to {peak:,.0f}" for arm, (peak, _) in climbed.items())
+        + f"), and only the authors' placement crossed $10^3$ (step {twice['paper64'][0].runaway:,}): in "
+        f"one seed the all-bf16 placement ran away at a learning rate where attention in fp32 did not, a "
+        f"lead that it lowers the threshold, not yet a rate.")
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -328,12 +374,13 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{', '.join(f'{r.explosion:,}' for r in cons_fa2)}) where `fa2` did not in "
         f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 (`attn-fp32`) and "
         f"no bf16 anywhere (`model-fp32`) reached 8,000 steps without a runaway (runs: {len(fp32_attn)} and "
-        f"{len(fp32_model)}): too few to say that a bf16 rounding point is needed for one. QK-LayerNorm "
-        f"stopped the runaway at $8 \\cdot 10^{{-3}}$ in each placement (one run each: largest logit "
-        f"{min(normed_logit):.0f}-{max(normed_logit):.0f}, no spike, final loss "
-        f"{min(final['normed']):.2f}-{max(final['normed']):.2f} against "
-        f"{min(final['plain']):.2f}-{max(final['plain']):.2f} without it): "
-        f"the one cure here that held in every placement, at one seed.")
+        f"{len(fp32_model)}): too few to say that a bf16 rounding point is needed for one. With QK-LayerNorm "
+        f"none of {len(normed)} runs ran away or spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, "
+        f"one seed per placement and rate; largest logit "
+        f"{min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} that have a twin "
+        f"without it ended with the lower loss ({loss_range(b for _, b in compared)} against "
+        f"{loss_range(a for a, _ in compared)}): the one cure here that held in every placement, "
+        f"at one seed.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
