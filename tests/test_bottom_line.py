@@ -75,6 +75,9 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     queue = json.loads((EXPLODE / "lr-qknorm" / "queue.json").read_text())
     done = [f for f in (EXPLODE / "lr-qknorm").iterdir() if (f / "summary.json").is_file()]
     assert f"done: {len(done)} of the {len(queue['runs'])} runs" in lines[3]
+    normed = [f for f in done if "-qkln-s" in f.name]
+    assert not any(runaway_step(load_run(f)) for f in normed)
+    assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in lines[2]
 
 
 def synthetic(tmp_path: Path) -> Path:
@@ -117,7 +120,14 @@ def test_a_contradicting_record_raises(tmp_path: Path) -> None:
     shutil.rmtree(lr / "fa2-lr8e-3-qkln-s1")  # a runaway with QK-LayerNorm: "none ran away" is stale
     (lr / "fa2-lr8e-3-qkln-s1").symlink_to(EXPLODE / "lr-qknorm" / "fa2-lr8e-3-s1")
     forget()
-    with pytest.raises(StaleClaim, match="with QK-LayerNorm no placement ran away"):
+    with pytest.raises(StaleClaim, match="with QK-LayerNorm no run ran away or spiked"):
+        bottom_line(results)
+    (lr / "fa2-lr8e-3-qkln-s1").unlink()
+    shutil.copytree(EXPLODE / "lr-qknorm" / "fa2-lr8e-3-qkln-s1", lr / "fa2-lr8e-3-qkln-s1")
+    shutil.rmtree(lr / "attn-fp32-lr4e-3-s1")  # fp32 attention running away at 4e-3: "only paper64" is stale
+    (lr / "attn-fp32-lr4e-3-s1").symlink_to(EXPLODE / "lr-qknorm" / "paper64-lr4e-3-s1")
+    forget()
+    with pytest.raises(StaleClaim, match="at 4e-3 .one seed. only paper64 ran away"):
         bottom_line(results)
 
 
