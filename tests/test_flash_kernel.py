@@ -493,6 +493,66 @@ def test_a_tuned_shape_launches_without_the_autotuner(monkeypatch):
         torch.use_deterministic_algorithms(was)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels)")
+def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
+    """With `direct_launch`, a picked kernel's later launches call its compiled binary (no JITFunction.run)
+    and give bit-identical outputs and gradients; a new alignment (a view one element in) or a length that
+    is a multiple of 16 goes through Triton again and gets its own binary."""
+    from lowprec.attention import flash
+
+    def step(shift: int, n: int) -> list[torch.Tensor]:
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        base = [torch.randn(2, 4, n, 64 + shift, generator=gen, device="cuda").bfloat16() for _ in range(3)]
+        q, k, v = (t[..., shift:].requires_grad_() for t in base)  # shift 1: pointers not 16-byte aligned
+        o = flash_attention(q, k, v, causal=True)
+        o.backward(torch.ones_like(o))
+        return [o.detach(), q.grad, k.grad, v.grad]
+
+    runs = {"n": 0}
+    for kernel, _ in flash._KERNELS.values():
+        def counted(*args, _run=kernel.run, **kwargs):
+            runs["n"] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", counted)
+    monkeypatch.setattr(flash, "_compiled", {})
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)  # the autotuned path
+    try:
+        for shift, n in ((0, 777), (1, 777), (0, 784)):
+            step(shift, n)  # the autotuner picks
+            plain = step(shift, n)  # through JITFunction.run
+            with flash.direct_launch():
+                before = runs["n"]
+                first = step(shift, n)  # a new signature: through Triton once, its binary kept
+                assert runs["n"] > before
+                before = runs["n"]
+                again = step(shift, n)
+                assert runs["n"] == before, "a kept binary went through JITFunction.run again"
+            assert all(torch.equal(a, b) for a, b in zip(plain, first, strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
+        assert len({sig for _, sig in flash._compiled}) >= 3, "aligned, shifted and n % 16 == 0: own binaries"
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert flash.DIRECT is False
+
+
+def test_signature_is_at_least_as_fine_as_tritons_specialisation():
+    """Launches share a binary only when Triton would specialise them alike: same dtypes and 16-byte
+    alignment of every tensor, same (== 1, % 16 == 0, int32) of every int, tuples item by item."""
+    from lowprec.attention import flash
+
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    sig = flash._signature
+    assert sig((x, 32, (3, 16), 0.5)) == sig((x.clone(), 48, (5, 32), 0.25))
+    assert sig((x,)) != sig((x[1:],)), "alignment"
+    assert sig((x,)) != sig((x.float(),)), "dtype"
+    assert len({sig((n,)) for n in (1, 16, 17, 2**31)}) == 4, "== 1, % 16 == 0, neither, beyond int32"
+    assert sig(((3, 16),)) != sig(((3, 17),)), "inside tuples"
+    with flash.direct_launch():
+        assert flash.DIRECT
+    assert not flash.DIRECT
+
+
 def test_late_interpreter_switch_is_a_clear_error():
     """Without a GPU the kernels need TRITON_INTERPRET=1 before triton's first import, else a clear error."""
     if torch.cuda.is_available():

@@ -15,6 +15,7 @@ from __future__ import annotations
 from lowprec.attention.triton_mode import INTERPRET  # first: it may switch on the interpreter
 
 # isort: split
+import contextlib
 import functools
 import hashlib
 import json
@@ -157,6 +158,53 @@ def _fixed_options(block_d: int) -> dict[str, int]:
 
 
 _picks: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (`_launch`)
+DIRECT = False  # launch a pick's compiled binary directly (`direct_launch`: bench overhead's A/B; off)
+_compiled: dict[tuple, tuple] = {}  # (launch key, `_signature`) -> (compiled kernel, parameters after args)
+
+
+@contextlib.contextmanager
+def direct_launch(on: bool = True):
+    """Inside the block, a kernel whose tiles the autotuner has picked is launched through its compiled binary
+    (`_signature`), skipping Triton's per-call Python in JITFunction.run (GPU only; bit-identical)."""
+    global DIRECT
+    was, DIRECT = DIRECT, on
+    try:
+        yield
+    finally:
+        DIRECT = was
+
+
+def _signature(args: tuple) -> tuple:
+    """What Triton specialises a launch on, or finer: per tensor its dtype and 16-byte alignment, per int
+    (inside tuples too) whether it is 1, a multiple of 16 and within int32; floats not at all. Launches with
+    one signature share one compiled binary."""
+    out = []
+    for arg in args:
+        for item in arg if isinstance(arg, tuple) else (arg,):
+            if isinstance(item, torch.Tensor):
+                out.append((item.dtype, item.data_ptr() % 16 == 0))
+            elif isinstance(item, int):
+                out.append((item == 1, item % 16 == 0, -INT32_MAX - 1 <= item <= INT32_MAX))
+            else:
+                out.append(type(item))
+    return tuple(out)
+
+
+def _direct(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], args: tuple, kwargs: dict
+            ) -> None:
+    """Launch `kernel` as kernel[grid](*args, **kwargs) would: the first launch of a (key, `_signature`) goes
+    through Triton and keeps the binary it returns, later ones call that binary with every parameter in
+    order."""
+    slot = (key, _signature(args))
+    found = _compiled.get(slot)
+    if found is None:
+        compiled = kernel[grid](*args, **kwargs)
+        names = kernel.arg_names[len(args):]
+        if all(name in kwargs for name in names):  # else (a defaulted parameter) always through Triton
+            _compiled[slot] = (compiled, names)
+    else:
+        compiled, names = found
+        compiled[grid](*args, *(kwargs[name] for name in names))
 
 
 def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *args, sizes: tuple[int, ...],
@@ -187,6 +235,9 @@ def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *arg
         if picked is None:
             tuned[grid](*args, **constexprs)
             _picks[key] = tuned.best_config
+        elif DIRECT and not INTERPRET:
+            kwargs = {**constexprs, **picked.all_kwargs()}
+            _direct(kernel, key, (_cdiv(n, kwargs[rows]), y, z), args, kwargs)
         else:
             kernel[grid](*args, **constexprs, **picked.all_kwargs())
         return

@@ -4,7 +4,8 @@ GPT's eager step time with either.
     lowprec bench overhead --out results/attention/overhead.json      # one H200
     lowprec bench overhead --smoke                                    # CPU (Triton interpreter), seconds
 
-Calls: SDPA (torch's default choice), our kernel with the Fix off and on, fwd and fwd+bwd, over batch, heads
+Calls: SDPA (torch's default choice), our kernel with the Fix off and on and (`triton-direct`) with the Fix
+off launching its autotuned picks' binaries directly (flash.direct_launch), fwd and fwd+bwd, over batch, heads
 and sequence lengths at head dim 64, causal. Steps: lowprec.model's GPT at gpu-6l's shape (6 layers, 6 heads
 of 64) at context 256 and batch 32, eager, bf16 autocast, AdamW, random tokens. The record's rows and targets:
 the book's appendix "Methods and record formats".
@@ -26,11 +27,14 @@ from pathlib import Path
 
 import torch
 from lowprec.attention import attention
+from lowprec.attention.flash import direct_launch
 from lowprec.configs import get_config
 from lowprec.instruments.bench_attention import calls_of, int_list, loop_us
 from lowprec.model import GPT
 
-IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton/precision=fa2/fix=2"}
+IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton/precision=fa2/fix=2",
+         "triton-direct": "triton/precision=fa2"}
+DIRECT = ("triton-direct",)  # run inside flash.direct_launch(): the A/B of Triton's per-call Python
 CALLS = 50
 STEP = (32, 256)  # the GPT steps' batch and context
 TARGETS = {"host_vs_sdpa": 1.2, "step_vs_sdpa": 1.05}  # at most
@@ -67,6 +71,18 @@ def host_us(fn: Callable[[], object], device: str, calls: int) -> float:
     return sorted(repeats)[1]
 
 
+def launched(fn: Callable[[], object], name: str) -> Callable[[], object]:
+    """`fn`, inside flash.direct_launch() for the DIRECT implementations."""
+    if name not in DIRECT:
+        return fn
+
+    def call() -> object:
+        with direct_launch():
+            return fn()
+
+    return call
+
+
 def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list[dict]:
     """Per implementation and mode (fwd, fwd+bwd): host microseconds per call and wall microseconds per call
     of a loop (host and device together), or the error that stopped them."""
@@ -75,6 +91,7 @@ def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list
         try:
             fn = functools.partial(attention, backend=spec)
             fns, grads = calls_of(fn, batch, heads, seq, 64, True, device)
+            fns = {mode: launched(call, name) for mode, call in fns.items()}
         except Exception as exc:
             rows.append({"impl": name, "batch": batch, "heads": heads, "seq": seq, "error": repr(exc)[:300]})
             continue
@@ -191,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
         record["profile"] = {"impl": "triton", "shape": shape, "calls": calls,
                              **{mode: host_profile(fns[mode], calls)
                                 for mode in ("fwd", "fwd+bwd")}}
-    steps = {name: gpt_step(spec, batch, block_size, device, args.smoke) for name, spec in IMPLS.items()}
+    steps = {name: launched(gpt_step(spec, batch, block_size, device, args.smoke), name)
+             for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
     record["summary"] = summary(record["calls"], record["step"]["ms"])
     record["seconds"] = round(time.perf_counter() - start, 1)
@@ -205,14 +223,14 @@ def run(args: argparse.Namespace) -> int:
 def table(record: dict) -> str:
     """One line per shape, mode and implementation (host and wall microseconds per call), the step times and
     the summary."""
-    lines = [f"{'B':>3} {'H':>3} {'N':>5} {'mode':<8} {'impl':<11} {'host':>8} {'wall':>8}  us/call"]
+    lines = [f"{'B':>3} {'H':>3} {'N':>5} {'mode':<8} {'impl':<13} {'host':>8} {'wall':>8}  us/call"]
     for r in record["calls"]:
         cells = [f"{r[k]:>8.1f}" if k in r else f"{'-':>8}" for k in ("host_us", "wall_us")]
-        lines.append(f"{r['batch']:>3} {r['heads']:>3} {r['seq']:>5} {r.get('mode', '-'):<8} {r['impl']:<11} "
+        lines.append(f"{r['batch']:>3} {r['heads']:>3} {r['seq']:>5} {r.get('mode', '-'):<8} {r['impl']:<13} "
                      f"{' '.join(cells)}  {r.get('error', '')}")
     step = record["step"]
     for name, ms in step["ms"].items():
-        lines.append(f"step {step['config']} N={step['block_size']} B={step['batch']} {name:<11} "
+        lines.append(f"step {step['config']} N={step['block_size']} B={step['batch']} {name:<13} "
                      f"{' '.join(f'{m:.2f}' for m in ms)} ms")
     lines.append(f"summary: {record['summary']}")
     return "\n".join(lines)
