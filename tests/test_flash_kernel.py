@@ -495,9 +495,9 @@ def test_a_tuned_shape_launches_without_the_autotuner(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels)")
 def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
-    """With `direct_launch`, a picked kernel's later launches call its compiled binary (no JITFunction.run)
-    and give bit-identical outputs and gradients; a new alignment (a view one element in) or a length that
-    is a multiple of 16 goes through Triton again and gets its own binary."""
+    """With `direct_launch` (the default), a picked kernel's later launches call its compiled binary (no
+    JITFunction.run) and give bit-identical outputs and gradients; a new alignment (a view one element in)
+    or a length that is a multiple of 16 goes through Triton again and gets its own binary."""
     from lowprec.attention import flash
 
     def step(shift: int, n: int) -> list[torch.Tensor]:
@@ -520,7 +520,8 @@ def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
     try:
         for shift, n in ((0, 777), (1, 777), (0, 784)):
             step(shift, n)  # the autotuner picks
-            plain = step(shift, n)  # through JITFunction.run
+            with flash.direct_launch(False):
+                plain = step(shift, n)  # through JITFunction.run
             with flash.direct_launch():
                 before = runs["n"]
                 first = step(shift, n)  # a new signature: through Triton once, its binary kept
@@ -533,7 +534,7 @@ def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
         assert len({sig for _, sig in flash._compiled}) >= 3, "aligned, shifted and n % 16 == 0: own binaries"
     finally:
         torch.use_deterministic_algorithms(was)
-    assert flash.DIRECT is False
+    assert flash.DIRECT is True
 
 
 def test_signature_is_at_least_as_fine_as_tritons_specialisation():
@@ -548,9 +549,9 @@ def test_signature_is_at_least_as_fine_as_tritons_specialisation():
     assert sig((x,)) != sig((x.float(),)), "dtype"
     assert len({sig((n,)) for n in (1, 16, 17, 2**31)}) == 4, "== 1, % 16 == 0, neither, beyond int32"
     assert sig(((3, 16),)) != sig(((3, 17),)), "inside tuples"
-    with flash.direct_launch():
-        assert flash.DIRECT
-    assert not flash.DIRECT
+    with flash.direct_launch(False):
+        assert not flash.DIRECT
+    assert flash.DIRECT
 
 
 def test_late_interpreter_switch_is_a_clear_error():

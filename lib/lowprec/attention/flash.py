@@ -158,14 +158,15 @@ def _fixed_options(block_d: int) -> dict[str, int]:
 
 
 _picks: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (`_launch`)
-DIRECT = False  # launch a pick's compiled binary directly (`direct_launch`: bench overhead's A/B; off)
+DIRECT = True  # launch a pick's compiled binary directly (`direct_launch`; False: through Triton's run)
 _compiled: dict[tuple, tuple] = {}  # (launch key, `_signature`) -> (compiled kernel, parameters after args)
 
 
 @contextlib.contextmanager
 def direct_launch(on: bool = True):
     """Inside the block, a kernel whose tiles the autotuner has picked is launched through its compiled binary
-    (`_signature`), skipping Triton's per-call Python in JITFunction.run (GPU only; bit-identical)."""
+    (`_signature`; the default), skipping Triton's per-call Python in JITFunction.run (GPU only;
+    bit-identical), or with `on=False` through JITFunction.run (bench overhead's A/B)."""
     global DIRECT
     was, DIRECT = DIRECT, on
     try:

@@ -4,8 +4,8 @@ GPT's eager step time with either.
     lowprec bench overhead --out results/attention/overhead.json      # one H200
     lowprec bench overhead --smoke                                    # CPU (Triton interpreter), seconds
 
-Calls: SDPA (torch's default choice), our kernel with the Fix off and on and (`triton-direct`) with the Fix
-off launching its autotuned picks' binaries directly (flash.direct_launch), fwd and fwd+bwd, over batch, heads
+Calls: SDPA (torch's default choice), our kernel with the Fix off and on and (`triton-jit`) with the Fix off
+launched through Triton's JITFunction.run (flash.direct_launch(False)), fwd and fwd+bwd, over batch, heads
 and sequence lengths at head dim 64, causal. Steps: lowprec.model's GPT at gpu-6l's shape (6 layers, 6 heads
 of 64) at context 256 and batch 32, eager, bf16 autocast, AdamW, random tokens. The record's rows and targets:
 the book's appendix "Methods and record formats".
@@ -33,8 +33,8 @@ from lowprec.instruments.bench_attention import calls_of, int_list, loop_us
 from lowprec.model import GPT
 
 IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton/precision=fa2/fix=2",
-         "triton-direct": "triton/precision=fa2"}
-DIRECT = ("triton-direct",)  # run inside flash.direct_launch(): the A/B of Triton's per-call Python
+         "triton-jit": "triton/precision=fa2"}
+THROUGH_JIT = ("triton-jit",)  # run inside flash.direct_launch(False): the A/B of Triton's per-call Python
 CALLS = 50
 STEP = (32, 256)  # the GPT steps' batch and context
 TARGETS = {"host_vs_sdpa": 1.2, "step_vs_sdpa": 1.05}  # at most
@@ -72,12 +72,12 @@ def host_us(fn: Callable[[], object], device: str, calls: int) -> float:
 
 
 def launched(fn: Callable[[], object], name: str) -> Callable[[], object]:
-    """`fn`, inside flash.direct_launch() for the DIRECT implementations."""
-    if name not in DIRECT:
+    """`fn`, inside flash.direct_launch(False) for the THROUGH_JIT implementations."""
+    if name not in THROUGH_JIT:
         return fn
 
     def call() -> object:
-        with direct_launch():
+        with direct_launch(False):
             return fn()
 
     return call
