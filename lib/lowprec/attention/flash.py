@@ -159,7 +159,7 @@ def _fixed_options(block_d: int) -> dict[str, int]:
 
 _picks: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (`_launch`)
 DIRECT = True  # launch a pick's compiled binary directly (`direct_launch`; False: through Triton's run)
-_compiled: dict[tuple, tuple] = {}  # (launch key, `_signature`) -> (compiled kernel, parameters after args)
+_compiled: dict[tuple, tuple] = {}  # (launch key, `_signature`, device) -> (compiled kernel, parameters)
 
 
 @contextlib.contextmanager
@@ -193,10 +193,10 @@ def _signature(args: tuple) -> tuple:
 
 def _direct(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], args: tuple, kwargs: dict
             ) -> None:
-    """Launch `kernel` as kernel[grid](*args, **kwargs) would: the first launch of a (key, `_signature`) goes
-    through Triton and keeps the binary it returns, later ones call that binary with every parameter in
-    order."""
-    slot = (key, _signature(args))
+    """Launch `kernel` as kernel[grid](*args, **kwargs) would: the first launch of a (key, `_signature`,
+    current device) goes through Triton and keeps the binary it returns (loaded on that device), later ones
+    call that binary with every parameter in order."""
+    slot = (key, _signature(args), torch.cuda.current_device())
     found = _compiled.get(slot)
     if found is None:
         compiled = kernel[grid](*args, **kwargs)

@@ -335,8 +335,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         + f"; at the recipe's learning rate none of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} "
         f"`attn-fp32` survival runs did in 8,000 steps. So a high enough learning rate starts the runaway "
         f"with no bf16 in the attention at all (the attention-logit growth of Wortsman et al. 2023). At "
-        f"twice "
-        f"the recipe's rate every placement's largest logit climbed and fell back ("
+        f"twice the recipe's rate every placement's largest logit climbed and fell back ("
         + ", ".join(f"`{arm}` to {peak:,.0f}" for arm, (peak, _) in climbed.items())
         + f"), and only the authors' placement crossed $10^3$ (step {twice['paper64'][0].runaway:,}): in "
         f"one seed the all-bf16 placement ran away at a learning rate where attention in fp32 did not, a "
