@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 from lowprec.analysis import (
     Outcome,
+    detection_power,
     event_times,
+    fisher_p,
     kaplan_meier,
     log_rank,
     lr_sweep,
@@ -38,6 +40,32 @@ def test_log_rank_matches_the_textbook_chi_square() -> None:
     assert p == pytest.approx(4.17e-5, rel=0.01)
     assert log_rank(PLACEBO, MP6)[0] == pytest.approx(chi2)  # symmetric
     assert log_rank(([5, 5], [False, False]), ([5], [False])) == (0.0, 1.0)  # no event anywhere
+
+
+def test_fisher_exact_matches_hand_counts() -> None:
+    """Two-sided p by the hypergeometric tables: Fisher's tea-tasting table (3 of 4 against 1 of 4: 34/70),
+    3 of 3 against 0 of 3 (2/20) and 0 of 8 against 5 of 8 (112/4368)."""
+    assert fisher_p(3, 4, 1, 4) == pytest.approx(34 / 70)
+    assert fisher_p(3, 3, 0, 3) == pytest.approx(0.1)
+    assert fisher_p(0, 8, 5, 8) == pytest.approx(112 / 4368)
+    assert fisher_p(2, 5, 2, 5) == pytest.approx(1.0) and fisher_p(0, 3, 0, 5) == 1.0
+    assert fisher_p(5, 8, 0, 8) == fisher_p(0, 8, 5, 8)
+    with pytest.raises(ValueError, match="k <= n"):
+        fisher_p(4, 3, 0, 3)
+
+
+def test_detection_power_is_exact() -> None:
+    """Every-count sums: all against none is told apart surely from 4 runs each (p = 2/70), never with 3
+    (p = 0.1); equal rates are told apart at most `alpha` of the time; power grows with runs."""
+    assert detection_power(1.0, 0.0, 4) == pytest.approx(1.0)
+    assert detection_power(1.0, 0.0, 3) == 0.0
+    assert all(detection_power(rate, rate, n) <= 0.05 for rate in (0.2, 0.5) for n in (6, 8, 12))
+    powers = [detection_power(0.6, 0.0, n) for n in (4, 6, 8, 12)]
+    assert powers == sorted(powers) and powers[0] < 0.5 < powers[-1]
+    one = 0.6 ** 4 * 1.0  # n = 4: only 4 of 4 against 0 of 4 reaches p <= 0.05 (2/70)
+    assert detection_power(0.6, 0.0, 4) == pytest.approx(one)
+    with pytest.raises(ValueError, match="rates in"):
+        detection_power(1.5, 0.0, 4)
 
 
 def test_wilson_interval() -> None:

@@ -428,6 +428,32 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def fisher_p(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-sided p of Fisher's exact test for k1 of n1 against k2 of n2: the probability, under equal rates
+    and the observed margins, of a table no more likely than the observed one."""
+    if not (0 <= k1 <= n1 and 0 <= k2 <= n2 and n1 and n2):
+        raise ValueError(f"fisher_p needs 0 <= k <= n and n >= 1, got {k1}/{n1} and {k2}/{n2}")
+    events, total = k1 + k2, n1 + n2
+    tables = {k: math.comb(n1, k) * math.comb(n2, events - k) / math.comb(total, events)
+              for k in range(max(0, events - n2), min(events, n1) + 1)}
+    observed = tables[k1]
+    return min(1.0, sum(p for p in tables.values() if p <= observed * (1 + 1e-9)))
+
+
+def detection_power(rate1: float, rate2: float, n: int, alpha: float = 0.05) -> float:
+    """The chance that Fisher's exact test (`fisher_p`) at `alpha` tells two arms apart when their true event
+    rates are `rate1` and `rate2` and each has `n` runs: exact, over every pair of counts."""
+    if not (0 <= rate1 <= 1 and 0 <= rate2 <= 1 and n >= 1 and 0 < alpha < 1):
+        raise ValueError(f"detection_power needs rates in [0, 1], n >= 1, 0 < alpha < 1; got {rate1}, "
+                         f"{rate2}, {n}, {alpha}")
+
+    def binomial(k: int, rate: float) -> float:
+        return math.comb(n, k) * rate**k * (1 - rate) ** (n - k)
+
+    return sum(binomial(k1, rate1) * binomial(k2, rate2) for k1 in range(n + 1) for k2 in range(n + 1)
+               if fisher_p(k1, n, k2, n) <= alpha)
+
+
 def survival_table(arms: dict[str, list[Outcome]], against: tuple[str, ...] = ()) -> dict[str, dict]:
     """Per arm and event ("runaway", "explosion"): runs, events, their rate's Wilson interval, the
     Kaplan-Meier curve, the log-rank p against each arm of `against` present (other than itself), and for
