@@ -75,6 +75,10 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     queue = json.loads((EXPLODE / "lr-qknorm" / "queue.json").read_text())
     done = [f for f in (EXPLODE / "lr-qknorm").iterdir() if (f / "summary.json").is_file()]
     assert f"done: {len(done)} of the {len(queue['runs'])} runs" in lines[3]
+    survival = json.loads((EXPLODE / "survival" / "queue.json").read_text())["runs"]
+    per_arm = {arm: sum(r["arm"] == arm for r in survival) for arm in {r["arm"] for r in survival}}
+    assert set(per_arm.values()) == {8}
+    assert "its 8 runs per arm tell a 60% runaway rate from none only 59%" in lines[3]
     normed = [f for f in done if "-qkln-s" in f.name]
     assert not any(runaway_step(load_run(f)) for f in normed)
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in lines[2]
