@@ -39,7 +39,10 @@ def test_study_makes_every_planned_run_once_and_reports(tmp_path, capsys):
     assert "start" not in capsys.readouterr().out
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--status"]) == 0
     report = capsys.readouterr().out
-    assert any(line.split()[:2] == ["model-fp32-lr1e-2-s2", "done"] for line in report.splitlines())
+    line = next(line for line in report.splitlines() if line.startswith("model-fp32-lr1e-2-s2 "))
+    run = load_run(out / "model-fp32-lr1e-2-s2")
+    assert line.split()[:4] == ["model-fp32-lr1e-2-s2", "done", "runaway", "-"]
+    assert f"final loss {run.summary['final_loss']:5.2f}" in line and line.endswith(str(out / run.path.name))
     assert any(line.split()[:2] == ["model-fp32", "1"] and "0/1" in line for line in report.splitlines())
     assert any(line.split()[:2] == ["model-fp32-lr1e-2", "1"] for line in report.splitlines())
 

@@ -8,8 +8,9 @@ when its record, in the queue's folder or in --out, reached the horizon or the s
 still planned, so the work picks up where it stopped. The runner starts planned runs in queue order, `--slots`
 at a time, each only if its expected time (the median of its arm's done runs, at least the queue's estimate,
 times --slots) ends before the budget does; a run still going when the budget ends gets SIGTERM and stays
-planned (a run has no outcome until it reaches its horizon). `--status` prints every run's state and the
-survival table (`analysis.survival_table`) of the done ones and exits.
+planned (a run has no outcome until it reaches its horizon). `--status` prints every run's state (a done
+run's runaway step, largest logit and final loss) and the survival table (`analysis.survival_table`) of the
+done ones and exits.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from lowprec.analysis import outcome, survival_table
+from lowprec.analysis import largest_logit, outcome, survival_table
 from lowprec.checks import option
 from lowprec.configs import CONFIGS, get_config
 from lowprec.instruments.explode import arm_overrides, launch, run_name, signals_interrupt, stop_all
@@ -108,13 +109,18 @@ def states(queue: dict, home: Path, out: Path | None) -> list[dict]:
 
 
 def status(queue: dict, home: Path, out: Path | None) -> str:
-    """A line per queued run, then per group the runaway and explosion counts of the done runs."""
-    rows = states(queue, home, out)
-    lines = [f"{r['name']:<28} {r['state']:<8} {r['folder'] or ''}" for r in rows]
-    done: dict[str, list] = {}
-    for r in rows:
+    """A line per queued run (a done run's runaway step, largest logit and final loss), then per group the
+    runaway and explosion counts of the done runs."""
+    lines, done = [], {}
+    for r in states(queue, home, out):
+        found = ""
         if r["state"] == "done":
-            done.setdefault(r["group"], []).append(outcome(load_run(r["folder"]), queue["horizon"]))
+            run = load_run(r["folder"])
+            result = outcome(run, queue["horizon"])
+            done.setdefault(r["group"], []).append(result)
+            found = (f"runaway {'-' if result.runaway is None else result.runaway:>6}  largest logit "
+                     f"{largest_logit(run):>9,.0f}  final loss {run.summary['final_loss']:5.2f}")
+        lines.append(f"{r['name']:<28} {r['state']:<8} {found:<54} {r['folder'] or ''}".rstrip())
     table = survival_table(done, against=("fa2", "model-fp32"))
     lines.append(f"\n{'group':<22} {'runs':>4}  runaway (95% CI)        explosion (95% CI)       first layer")
     for name, row in table.items():
@@ -131,7 +137,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="no run starts that would end after this")
     parser.add_argument("--slots", type=option(int, 1), default=1,
                         help="runs at a time (on the one GPU, or the CPU)")
-    parser.add_argument("--status", action="store_true", help="print each run's state and the table, exit")
+    parser.add_argument("--status", action="store_true", help="print each run's state and outcome and the table, exit")
     parser.add_argument("--dry-run", action="store_true",
                         help="print what would start, and exit")
     parser.add_argument("--grace", type=option(float, 0), default=30.0,
