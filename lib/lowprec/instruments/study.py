@@ -137,7 +137,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="no run starts that would end after this")
     parser.add_argument("--slots", type=option(int, 1), default=1,
                         help="runs at a time (on the one GPU, or the CPU)")
-    parser.add_argument("--status", action="store_true", help="print each run's state and outcome and the table, exit")
+    parser.add_argument("--status", action="store_true",
+                        help="print each run's state and outcome and the table, exit")
     parser.add_argument("--dry-run", action="store_true",
                         help="print what would start, and exit")
     parser.add_argument("--grace", type=option(float, 0), default=30.0,
