@@ -531,7 +531,7 @@ def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
                 assert runs["n"] == before, "a kept binary went through JITFunction.run again"
             assert all(torch.equal(a, b) for a, b in zip(plain, first, strict=True))
             assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
-        signatures = {sig for _, sig, _ in flash._compiled}
+        signatures = {slot[1] for slot in flash._compiled}
         assert len(signatures) >= 3, "aligned, shifted and n % 16 == 0: own binaries"
     finally:
         torch.use_deterministic_algorithms(was)
@@ -553,6 +553,43 @@ def test_signature_is_at_least_as_fine_as_tritons_specialisation():
     with flash.direct_launch(False):
         assert not flash.DIRECT
     assert flash.DIRECT
+
+
+def test_direct_keeps_a_binary_per_slot_and_passes_every_parameter(monkeypatch):
+    """`_direct` on stand-ins for a JITFunction and its compiled binary (CPU): the first launch of a slot goes
+    through the kernel and keeps the binary it returns; a launch with the same signature calls the binary
+    with the positional arguments, then the kernel's remaining parameters in order (options such as
+    num_warps left out); a new alignment or a changed Triton debug setting goes through the kernel again."""
+    import triton
+    from lowprec.attention import flash
+
+    calls = []
+
+    class Binary:
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("binary", grid, args))
+
+    class Kernel:
+        arg_names = ["X", "n", "D", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(("jit", grid, args, kwargs))
+                return Binary()
+            return run
+
+    monkeypatch.setattr(flash, "_compiled", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x = torch.zeros(64)
+    kwargs = {"BLOCK": 16, "D": 4, "num_warps": 4}
+    flash._direct(Kernel(), ("k",), (1, 1, 1), (x, 32), kwargs)
+    flash._direct(Kernel(), ("k",), (2, 1, 1), (x.clone(), 48), kwargs)  # same signature
+    flash._direct(Kernel(), ("k",), (1, 1, 1), (x[1:], 32), kwargs)  # not 16-byte aligned
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    flash._direct(Kernel(), ("k",), (1, 1, 1), (x, 32), kwargs)
+    assert [c[0] for c in calls] == ["jit", "binary", "jit", "jit"]
+    assert calls[0][1:] == ((1, 1, 1), (x, 32), kwargs)
+    assert calls[1][0:2] == ("binary", (2, 1, 1)) and calls[1][2][1:] == (48, 4, 16)
 
 
 def test_late_interpreter_switch_is_a_clear_error():

@@ -159,7 +159,7 @@ def _fixed_options(block_d: int) -> dict[str, int]:
 
 _picks: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (`_launch`)
 DIRECT = True  # launch a pick's compiled binary directly (`direct_launch`; False: through Triton's run)
-_compiled: dict[tuple, tuple] = {}  # (launch key, `_signature`, device) -> (compiled kernel, parameters)
+_compiled: dict[tuple, tuple] = {}  # `_direct`'s slot -> (compiled kernel, parameters after args)
 
 
 @contextlib.contextmanager
@@ -194,9 +194,10 @@ def _signature(args: tuple) -> tuple:
 def _direct(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], args: tuple, kwargs: dict
             ) -> None:
     """Launch `kernel` as kernel[grid](*args, **kwargs) would: the first launch of a (key, `_signature`,
-    current device) goes through Triton and keeps the binary it returns (loaded on that device), later ones
-    call that binary with every parameter in order."""
-    slot = (key, _signature(args), torch.cuda.current_device())
+    current device, Triton's debug and instrumentation settings) goes through Triton and keeps the binary it
+    returns (loaded on that device), later ones call that binary with every parameter in order."""
+    slot = (key, _signature(args), torch.cuda.current_device(),  # and the options Triton reads at each launch
+            triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
     found = _compiled.get(slot)
     if found is None:
         compiled = kernel[grid](*args, **kwargs)
