@@ -11,7 +11,9 @@ import json
 import tempfile
 from pathlib import Path
 
-RECORDS = Path(__file__).resolve().parents[3] / "results" / "book"  # gpu-chapters-<commit>/<page>.json
+from lowprec.runs import REPO
+
+RECORDS = REPO / "results" / "book"  # gpu-chapters-<commit>/<page>.json
 
 
 def last_rerun(page: str, records: Path = RECORDS) -> dict:
