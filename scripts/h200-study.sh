@@ -53,6 +53,7 @@ go)
       sleep 1
     done
     kill -- -"$(cat "$WORK/probe.pid")" 2> /dev/null && echo "probe stopped (it outran ${PROBE_WAIT_S:-120} s)"
+    [ -e "$WORK/probe-tests.log" ] && echo "probe tests: $(tail -n 1 "$WORK/probe-tests.log")"
     arm=${ARM:-model-fp32}
     [ -e "$WORK/time-$arm.json" ] && estimate=(--estimate "$arm=$(python3 -c \
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")

@@ -35,12 +35,14 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     ended = subprocess.Popen(["true"])
     ended.wait()
     (work / "probe.pid").write_text(f"{ended.pid}\n")  # a probe that has ended
+    (work / "probe-tests.log").write_text(".\n3 passed, 95 deselected in 27.75s\n")  # its GPU tests
     env = {**os.environ, "WORK": str(work), "OUT": str(out), "QUEUE": f"{first} {second}",
            "PYTHONPATH": str(ROOT / "lib"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
     go = subprocess.run(script, env={**env, "PHASE": "go", "MINUTES": "4", "FIRST": "1"}, cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
     assert go.returncode == 0 and "probe: --estimate model-fp32=70" in go.stdout
+    assert "probe tests: 3 passed, 95 deselected in 27.75s" in go.stdout  # seen before the study starts
     start = int(time.time())
     wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "540", "CALL_START": str(start)},
                           cwd=ROOT, capture_output=True, text=True, timeout=620)
