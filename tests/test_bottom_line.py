@@ -80,6 +80,14 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     assert set(per_arm.values()) == {8}
     assert "its 8 runs per arm tell a 60% runaway rate from none only 59%" in lines[3]
     normed = [f for f in done if "-qkln-s" in f.name]
+    cells: dict[tuple[str, bool], list[bool]] = {}
+    for f in done:  # names like paper64-lr4e-3-qkln-s1
+        rate = re.search(r"-lr(\d)e-3", f.name).group(1)
+        cells.setdefault((rate, "-qkln-" in f.name), []).append(runaway_step(load_run(f)) is not None)
+    for rate in {r for r, _ in cells}:
+        counts = [f"{sum(cells[rate, q])} of {len(cells[rate, q])}" if (rate, q) in cells else "not yet run"
+                  for q in (False, True)]
+        assert "$" + rate + " \\cdot 10^{-3}$: " + ", ".join(counts) in lines[3], (rate, counts)
     assert not any(runaway_step(load_run(f)) for f in normed)
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in lines[2]
 

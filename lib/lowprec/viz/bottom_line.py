@@ -393,6 +393,15 @@ def bottom_line(results: Path = RESULTS) -> str:
     def per_group(groups: dict[str, list[RunFacts]]) -> str:
         return "; ".join(f"`{name}` {tally(group, 'runaway')[0]} of {len(group)}{onsets(group)}"
                          for name, group in sorted(groups.items()))
+    def by_rate(groups: dict[str, list[RunFacts]]) -> str:
+        cells: dict[float, dict[bool, list[RunFacts]]] = {}
+        for name, group in groups.items():
+            for r in group:
+                cells.setdefault(r.lr, {}).setdefault(name.endswith("-qkln"), []).append(r)
+        def count(group: list[RunFacts] | None) -> str:
+            return f"{tally(group, 'runaway')[0]} of {len(group)}" if group else "not yet run"
+        return "; ".join(f"{latex(lr)}: {count(cell.get(False))}, {count(cell.get(True))}"
+                         for lr, cell in sorted(cells.items(), reverse=True))
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
     claim(max(larger) < 3000, "no larger model trained past 3,000 steps")
     repro = json.loads((results / "train" / "reproducibility.json").read_text())
@@ -406,7 +415,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         for run, first in again.values()), "two survival runs made twice: same values, same weights")
     untested = (
         f"**Untested.** QK-LayerNorm beyond one seed, and the learning rate's threshold (done: {lr_done} of "
-        f"the {lr_total} runs of that study; runaways: {per_group(lr_groups)}), QK-clip, z-loss and larger "
+        f"the {lr_total} runs of that study; runaways by learning rate, without and with QK-LayerNorm: "
+        f"{by_rate(lr_groups)}), QK-clip, z-loss and larger "
         f"models (none ran past {max(larger):,} steps); of the survival study's {sv_total} runs, "
         f"{sv_done} are done (runaways by arm: {per_group(study_arms)}; every one in layer index 1), and "
         f"even complete its {per_arm} runs per arm tell a 60% runaway rate from none only "
