@@ -54,6 +54,9 @@ class Build:
     log: str  # make book's output; empty when the site was already current
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colours (a build's log, a notebook's traceback)
+
+
 @pytest.fixture(scope="session")
 def build() -> Build:
     """`make book`, run if the site is missing or older than any of its sources."""
@@ -66,7 +69,7 @@ def build() -> Build:
         # a no-op rebuild leaves old pages in place: they are current as of the start (not of now, so that a
         # source changed during the build is newer, and the next session builds again)
         os.utime(index, (started, started))
-    log = re.sub(r"\x1b\[[0-9;]*m", "", f"{result.stdout}\n{result.stderr}")  # without terminal colours
+    log = ANSI.sub("", f"{result.stdout}\n{result.stderr}")  # without terminal colours
     return Build(ok=result.returncode == 0, log=log)
 
 
@@ -154,9 +157,6 @@ def remeasure_notebook(path: Path, remeasure: bool):
     if remeasure and cell is not None:
         cell.source = cell.source.replace(PARAMETER, "REMEASURE = True", 1)
     return notebook, remeasure and cell is not None
-
-
-ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of a notebook's traceback
 
 
 def chapter_time(folder: Path, path: Path, remeasured: bool, seconds: float, failure: str | None) -> None:

@@ -27,6 +27,7 @@ from lowprec.viz.bottom_line import (
     record_runs,
     run_rows,
     shared_spikes,
+    study_groups,
 )
 
 HEADS = ("**What fails.**", "**Why, as far as the records show.**", "**What to change.**", "**Untested.**",
@@ -110,6 +111,7 @@ def forget() -> None:
     """Drop the records read so far (a test changed them under the same folder)."""
     explode_records.cache_clear()
     explode_runs.cache_clear()
+    study_groups.cache_clear()
 
 
 def test_a_contradicting_record_raises(tmp_path: Path) -> None:

@@ -157,7 +157,7 @@ def _fixed_options(block_d: int) -> dict[str, int]:
     return {"num_warps": 8, "num_stages": 2} if block_d >= 256 else {"num_warps": 4, "num_stages": 3}
 
 
-_picks: dict[tuple, triton.Config] = {}  # the autotuner's pick per launch key (`_launch`)
+_picks: dict[tuple, dict] = {}  # per launch key (`_launch`): its constexprs with the autotuner's pick
 DIRECT = True  # launch a pick's compiled binary directly (`direct_launch`; False: through Triton's run)
 _compiled: dict[tuple, tuple] = {}  # `_direct`'s slot -> (compiled kernel, parameters after args)
 
@@ -233,15 +233,14 @@ def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *arg
         # the dtypes of q and of the fourth tensor (o forward, dO backward) fix every tensor's (k and v are
         # q's, lse and delta fp32, the counters int32); one call site per kernel: its keywords in one order
         key = (name, sizes, args[0].dtype, args[3].dtype, tuple(constexprs.items()))
-        picked = _picks.get(key)
-        if picked is None:
+        kwargs = _picks.get(key)
+        if kwargs is None:
             tuned[grid](*args, **constexprs)
-            _picks[key] = tuned.best_config
+            _picks[key] = {**constexprs, **tuned.best_config.all_kwargs()}
         elif DIRECT and not INTERPRET:
-            kwargs = {**constexprs, **picked.all_kwargs()}
             _direct(kernel, key, (_cdiv(n, kwargs[rows]), y, z), args, kwargs)
         else:
-            kernel[grid](*args, **constexprs, **picked.all_kwargs())
+            kernel[grid](*args, **kwargs)
         return
     try:
         kernel[grid](*args, **constexprs, BLOCK_M=blocks[0], BLOCK_N=blocks[1], **options)

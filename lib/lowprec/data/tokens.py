@@ -70,7 +70,7 @@ class TokenData:
         manifest_path = self.path / "manifest.json"
         if not manifest_path.is_file():
             raise MissingData(f"{self.path} is incomplete (no manifest.json; an interrupted prepare?): "
-                                    f"re-create it with {remake}")
+                              f"re-create it with {remake}")
         try:
             self.manifest = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as exc:

@@ -190,6 +190,7 @@ def queue_progress(queue: Path) -> tuple[int, int, list[str]]:
     return len(done), len(rows), done
 
 
+@functools.cache
 def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, list[RunFacts]]:
     """The done runs of one of the attribution study's queues (`STUDY`; `queue_progress`) by group (the arm,
     and a grid cell's tag: "fa2-lr8e-3"), in name order."""
@@ -204,28 +205,30 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
 GRID_PLACEMENTS = ("fa2", "paper64", "attn-fp32")  # the lr-qknorm queue's arms
 
 
+def grid_runs(results: Path = RESULTS) -> dict[tuple[str, float, bool], list[RunFacts]]:
+    """The lr-qknorm queue's done runs (`study_groups`) by (placement, learning rate, QK-LayerNorm on: its
+    group's tag ends in "-qkln")."""
+    cells: dict[tuple[str, float, bool], list[RunFacts]] = {}
+    for name, group in study_groups("lr-qknorm", results).items():
+        for r in group:
+            cells.setdefault((r.arm, r.lr, name.endswith("-qkln")), []).append(r)
+    return cells
+
+
 def grid_cell(lr: str, qk_layernorm: bool = False, results: Path = RESULTS) -> dict[str, list[RunFacts]]:
     """The lr-qknorm queue's done runs at one learning rate (as its tags write it: "8e-3"), with or without
     QK-LayerNorm, by placement (`GRID_PLACEMENTS`; an empty list where none is done)."""
-    groups = study_groups("lr-qknorm", results)
-    tag = f"-lr{lr}" + ("-qkln" if qk_layernorm else "")
-    return {arm: groups.get(arm + tag, []) for arm in GRID_PLACEMENTS}
+    cells = grid_runs(results)
+    return {arm: cells.get((arm, float(lr), qk_layernorm), []) for arm in GRID_PLACEMENTS}
 
 
 def qk_pairs(results: Path = RESULTS) -> dict[tuple[str, float], tuple[list[RunFacts], list[RunFacts]]]:
     """Every lr-qknorm cell with a done QK-LayerNorm run: {(placement, learning rate): (the runs without it,
     the runs with it)}, highest learning rate first, placements in `GRID_PLACEMENTS` order."""
-    groups = study_groups("lr-qknorm", results)
-    normed = [r for name, group in groups.items() if name.endswith("-qkln") for r in group]
-    pairs = {}
-    for lr in sorted({r.lr for r in normed}, reverse=True):
-        for arm in GRID_PLACEMENTS:
-            with_it = [r for r in normed if (r.arm, r.lr) == (arm, lr)]
-            without = [r for name, group in groups.items() if not name.endswith("-qkln") for r in group
-                       if (r.arm, r.lr) == (arm, lr)]
-            if with_it:
-                pairs[arm, lr] = (without, with_it)
-    return pairs
+    cells = grid_runs(results)
+    return {(arm, lr): (cells.get((arm, lr, False), []), cells[arm, lr, True])
+            for lr in sorted({lr for _, lr, on in cells if on}, reverse=True) for arm in GRID_PLACEMENTS
+            if (arm, lr, True) in cells}
 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
@@ -293,7 +296,6 @@ def bottom_line(results: Path = RESULTS) -> str:
           and all(r.runaway and not r.explosion for r in big_fp32pv),
           "fp32pv at 262k: both runs of seed 1337 ran away, neither exploded")
     study_arms = study_groups("survival", results)
-    lr_groups = study_groups("lr-qknorm", results)
     high, twice = grid_cell("8e-3", False, results), grid_cell("4e-3", False, results)
     plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
     claim(all(group and all(r.runaway is not None for r in group) for group in high.values()),
@@ -393,15 +395,13 @@ def bottom_line(results: Path = RESULTS) -> str:
     def per_group(groups: dict[str, list[RunFacts]]) -> str:
         return "; ".join(f"`{name}` {tally(group, 'runaway')[0]} of {len(group)}{onsets(group)}"
                          for name, group in sorted(groups.items()))
-    def by_rate(groups: dict[str, list[RunFacts]]) -> str:
-        cells: dict[float, dict[bool, list[RunFacts]]] = {}
-        for name, group in groups.items():
-            for r in group:
-                cells.setdefault(r.lr, {}).setdefault(name.endswith("-qkln"), []).append(r)
-        def count(group: list[RunFacts] | None) -> str:
+    def by_rate(cells: dict[tuple[str, float, bool], list[RunFacts]]) -> str:
+        def count(lr: float, on: bool) -> str:
+            group = [r for (_, rate, with_it), cell in cells.items() if (rate, with_it) == (lr, on)
+                     for r in cell]
             return f"{tally(group, 'runaway')[0]} of {len(group)}" if group else "not yet run"
-        return "; ".join(f"{latex(lr)}: {count(cell.get(False))}, {count(cell.get(True))}"
-                         for lr, cell in sorted(cells.items(), reverse=True))
+        return "; ".join(f"{latex(lr)}: {count(lr, False)}, {count(lr, True)}"
+                         for lr in sorted({lr for _, lr, _ in cells}, reverse=True))
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
     claim(max(larger) < 3000, "no larger model trained past 3,000 steps")
     repro = json.loads((results / "train" / "reproducibility.json").read_text())
@@ -416,7 +416,7 @@ def bottom_line(results: Path = RESULTS) -> str:
     untested = (
         f"**Untested.** QK-LayerNorm beyond one seed, and the learning rate's threshold (done: {lr_done} of "
         f"the {lr_total} runs of that study; runaways by learning rate, without and with QK-LayerNorm: "
-        f"{by_rate(lr_groups)}), QK-clip, z-loss and larger "
+        f"{by_rate(grid_runs(results))}), QK-clip, z-loss and larger "
         f"models (none ran past {max(larger):,} steps); of the survival study's {sv_total} runs, "
         f"{sv_done} are done (runaways by arm: {per_group(study_arms)}; every one in layer index 1), and "
         f"even complete its {per_arm} runs per arm tell a 60% runaway rate from none only "
