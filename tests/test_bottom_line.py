@@ -24,10 +24,12 @@ from lowprec.viz.bottom_line import (
     explode_records,
     explode_runs,
     hunt_records,
+    lr_finding,
     record_runs,
     run_rows,
     shared_spikes,
     study_groups,
+    twins,
 )
 
 HEADS = ("**What fails.**", "**Why, as far as the records show.**", "**What to change.**", "**Untested.**",
@@ -141,7 +143,7 @@ def test_a_contradicting_record_raises(tmp_path: Path) -> None:
     shutil.rmtree(lr / "attn-fp32-lr4e-3-s1")  # fp32 attention running away at 4e-3: "only paper64" is stale
     (lr / "attn-fp32-lr4e-3-s1").symlink_to(EXPLODE / "lr-qknorm" / "paper64-lr4e-3-s1")
     forget()
-    with pytest.raises(StaleClaim, match="at 4e-3 .one seed. only paper64 ran away"):
+    with pytest.raises(StaleClaim, match=r"at 4e-3 \(two seeds\) only paper64 ran away, once"):
         bottom_line(results)
 
 
@@ -209,3 +211,34 @@ def test_common_spikes_per_seed_earliest_of_a_tie() -> None:
     found = common_spikes(runs)
     assert {seed: (step, [r.name for r in same]) for seed, (step, same) in found.items()} == {
         1: (500, ["a", "b"]), 2: (700, ["e"])}
+
+
+def test_lr_finding_against_the_folders() -> None:
+    """The learning-rate paragraph's counts, read folder by folder; twins pair the same seed."""
+    text, lr = lr_finding(), EXPLODE / "lr-qknorm"
+    at = {rate: [f for f in lr.glob(f"*-lr{rate}-s[0-9]") if (f / "summary.json").is_file()]
+          for rate in ("8e-3", "4e-3", "1e-3")}
+    went = {rate: [f.name for f in folders if runaway_step(load_run(f)) is not None]
+            for rate, folders in at.items()}
+    assert f"({len(at['8e-3'])} of {len(at['8e-3'])} runs, one seed)" in text
+    assert f"{len(went['4e-3'])} of {len(at['4e-3'])} did" in text and went["4e-3"] == ["paper64-lr4e-3-s1"]
+    assert sorted(went["1e-3"]) == ["fa2-lr1e-3-s1", "paper64-lr1e-3-s1"]
+    stop = load_run(lr / "fa2-lr1e-3-s1").summary["diverged_step"]
+    assert f"which then reached the stop rule at {stop:,}" in text
+    normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
+    assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
+    assert text in bottom_line()
+    pairs = twins()
+    assert pairs and all(a.seed == b.seed and a.arm == b.arm and a.lr == b.lr for a, b in pairs)
+    assert {b.name for _, b in pairs} <= {f"lr-qknorm/{f.name}" for f in normed}
+
+
+def test_lr_finding_goes_stale(tmp_path: Path) -> None:
+    results = synthetic(tmp_path)
+    lr = results / "explode" / "lr-qknorm"
+    shutil.rmtree(lr / "attn-fp32-lr1e-3-s1")  # fp32 attention running away at 1e-3: the lead is stale
+    (lr / "attn-fp32-lr1e-3-s1").symlink_to(EXPLODE / "lr-qknorm" / "paper64-lr1e-3-s1")
+    forget()
+    with pytest.raises(StaleClaim, match="at 1e-3 .one seed. fa2 and paper64 ran away"):
+        lr_finding(results)
+    forget()

@@ -6,7 +6,9 @@ holds, so the text cannot go stale silently. `explode_records` reads every train
 results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
 runaway, spike, explosion); `record_runs` names every run as the chapters do, `run_rows` makes their table
 rows and `early_rows` picks the earlier recipes'; `select`, `tally`, `rate`, `queue_progress`, `study_groups`
-and `shared_spikes` (`common_spikes`) count them for the chapters too.
+and `shared_spikes` (`common_spikes`) count them for the chapters too; `grid_runs`, `grid_cell`, `qk_pairs`
+and `twins` read the learning-rate x QK-LayerNorm queue, and `lr_finding` words what it shows (claims checked)
+for the intro and chapters 3 to 5 alike.
 """
 
 from __future__ import annotations
@@ -231,6 +233,55 @@ def qk_pairs(results: Path = RESULTS) -> dict[tuple[str, float], tuple[list[RunF
             if (arm, lr, True) in cells}
 
 
+def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
+    """The lr-qknorm queue's same-seed pairs (without QK-LayerNorm, with it) of one placement and learning
+    rate (`grid_runs`), in `qk_pairs` order."""
+    return [(plain, normed) for without, with_it in qk_pairs(results).values()
+            for normed in with_it for plain in without if plain.seed == normed.seed]
+
+
+def lr_finding(results: Path = RESULTS) -> str:
+    """What the learning-rate x QK-LayerNorm queue shows so far, in one Markdown paragraph that the intro and
+    chapters 3 to 5 share; `StaleClaim` when a record contradicts it."""
+    cells, records = grid_runs(results), explode_records(results)
+    def at(lr: float, on: bool = False) -> list[RunFacts]:
+        return [r for arm in GRID_PLACEMENTS for r in cells.get((arm, lr, on), [])]
+    high, twice, half = at(8e-3), at(4e-3), at(1e-3)
+    claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
+          "every placement ran away at 8e-3, attention in fp32 included")
+    went = [r for r in twice if r.runaway is not None]
+    claim([r.arm for r in went] == ["paper64"] and len({r.seed for r in twice}) == 2,
+          "at 4e-3 (two seeds) only paper64 ran away, once")
+    peak = {r.name: largest_logit(records[r.name]) for r in twice + half}
+    claim(all(peak[r.name] > 200 and last_logit(records[r.name]) < peak[r.name] / 2 for r in twice),
+          "at 4e-3 every run's largest logit climbed past 200 and fell back below half its peak")
+    bf16, fp32 = [r for r in half if r.arm != "attn-fp32"], [r for r in half if r.arm == "attn-fp32"]
+    claim(len(bf16) == 2 and len(fp32) == 1 and all(r.runaway is not None for r in bf16)
+          and not any(r.runaway for r in fp32) and max(peak[r.name] for r in fp32) < 100,
+          "at 1e-3 (one seed) fa2 and paper64 ran away, attn-fp32 stayed below 100")
+    stopped = [r for r in half if r.explosion is not None]
+    claim([r.arm for r in stopped] == ["fa2"], "at 1e-3 only fa2 reached the stop rule")
+    normed = [r for (_, _, on), group in cells.items() if on for r in group]
+    claim(normed and not any(r.runaway or r.spike or r.explosion for r in normed),
+          "with QK-LayerNorm no run ran away or spiked")
+    lrs = sorted({r.lr for r in normed})
+    return (
+        f"Over learning rates, 4,000 steps per run: at {latex(8e-3)}, four times the recipe's rate, every "
+        f"placement ran away, attention computed entirely in fp32 included ({len(high)} of {len(high)} runs, "
+        f"one seed); at {latex(4e-3)} {len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step "
+        f"{went[0].runaway:,}), while every run's largest logit climbed (to "
+        f"{min(peak[r.name] for r in twice):,.0f}-{max(peak[r.name] for r in twice):,.0f}) and fell back; "
+        f"at {latex(1e-3)}, half the recipe's rate, both bf16 placements ran away (`paper64` at step "
+        f"{next(r.runaway for r in bf16 if r.arm == 'paper64'):,}, `fa2` at "
+        f"{next(r.runaway for r in bf16 if r.arm == 'fa2'):,}, which then reached the stop rule at "
+        f"{stopped[0].explosion:,}) and attention in fp32 did not (its largest logit "
+        f"{max(peak[r.name] for r in fp32):.0f}), one seed. With QK-LayerNorm none of {len(normed)} runs ran "
+        f"away or spiked ({latex(lrs[0])} to {latex(lrs[-1])}). So two growths show: a high learning rate "
+        f"drives the logits up in every placement, bf16 or not; at half the recipe's rate the logits of "
+        f"attention in fp32 stayed flat while both bf16 placements ran away late. In one seed that is a "
+        f"lead, not a rate: that a bf16 rounding point starts a runaway the learning rate alone does not.")
+
+
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
     """Per seed with more than one done run of a study queue (`study_groups`): the step at which most of its
     runs first spiked (`common_spikes`), and those runs."""
@@ -296,29 +347,20 @@ def bottom_line(results: Path = RESULTS) -> str:
           and all(r.runaway and not r.explosion for r in big_fp32pv),
           "fp32pv at 262k: both runs of seed 1337 ran away, neither exploded")
     study_arms = study_groups("survival", results)
-    high, twice = grid_cell("8e-3", False, results), grid_cell("4e-3", False, results)
     plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
-    claim(all(group and all(r.runaway is not None for r in group) for group in high.values()),
-          "every placement ran away at 8e-3, attention in fp32 included")
-    claim(all(len(group) == 1 for group in twice.values())
-          and [arm for arm, group in twice.items() if group[0].runaway] == ["paper64"],
-          "at 4e-3 (one seed) only paper64 ran away")
-    records = explode_records(results)
-    climbed = {arm: (largest_logit(records[group[0].name]), last_logit(records[group[0].name]))
-               for arm, group in twice.items()}
-    claim(all(peak > 500 and last < 300 for peak, last in climbed.values()),
-          "at 4e-3 every placement's largest logit climbed past 500 and fell back below 300")
     claim(plain_fa2 and plain_fp32 and not any(r.runaway for r in (*plain_fa2, *plain_fp32)),
           "fa2 and attn-fp32 at the recipe's learning rate: no survival runaway")
+    finding = lr_finding(results)
+    records = explode_records(results)
     pairs = qk_pairs(results)
     normed = [r for _, with_it in pairs.values() for r in with_it]
-    claim(normed and not any(r.runaway or r.spike or r.explosion for r in normed),
-          "with QK-LayerNorm no run ran away or spiked")
-    compared = [(without[0], with_it[0]) for without, with_it in pairs.values() if without]
+    compared = twins(results)
     final = {r.name: records[r.name].summary["final_loss"] for pair in compared for r in pair}
-    claim(all(len(without) <= 1 and len(with_it) == 1 for without, with_it in pairs.values())
-          and all(final[normed_run.name] < final[plain_run.name] for plain_run, normed_run in compared),
-          "QK-LayerNorm: one seed per cell, a lower final loss than the same placement and rate without it")
+    claim(compared and all(final[b.name] < final[a.name] for a, b in compared),
+          "QK-LayerNorm: a lower final loss than its same-seed twin without it")
+    half_went = [arm for arm, group in grid_cell("1e-3", False, results).items()
+                 if group and all(r.runaway is not None for r in group)]
+    claim(half_went == ["fa2", "paper64"], "at 1e-3 fa2 and paper64 ran away, attn-fp32 did not")
     normed_logit = [largest_logit(records[r.name]) for r in normed]
     def loss_range(group: Iterable[RunFacts]) -> str:
         losses = [final[r.name] for r in group]
@@ -332,17 +374,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{rate(*tally(fp32pv, 'runaway'))}. An fp32 $\\ell$ does not rule a runaway out: `fa2` keeps it in "
         f"fp32 and ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` "
         f"ran away in both runs of its one seed (without the stop rule). These are counts; no single run "
-        f"shows a cause. At four times the recipe's learning rate ($8 \\cdot 10^{{-3}}$, 4,000 steps, one "
-        f"seed per placement) every placement ran away, attention computed entirely in fp32 included: "
-        + ", ".join(f"`{arm}` at step {r.runaway:,}" for arm, group in high.items() for r in group)
-        + f"; at the recipe's learning rate none of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} "
-        f"`attn-fp32` survival runs did in 8,000 steps. So a high enough learning rate starts the runaway "
-        f"with no bf16 in the attention at all (the attention-logit growth of Wortsman et al. 2023). At "
-        f"twice the recipe's rate every placement's largest logit climbed and fell back ("
-        + ", ".join(f"`{arm}` to {peak:,.0f}" for arm, (peak, _) in climbed.items())
-        + f"), and only the authors' placement crossed $10^3$ (step {twice['paper64'][0].runaway:,}): in "
-        f"one seed the all-bf16 placement ran away at a learning rate where attention in fp32 did not, a "
-        f"lead that it lowers the threshold, not yet a rate.")
+        f"shows a cause. At the recipe's learning rate none of the {len(plain_fa2)} `fa2` and "
+        f"{len(plain_fp32)} `attn-fp32` survival runs ran away in 8,000 steps. " + finding)
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -381,10 +414,12 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{len(fp32_model)}): too few to say that a bf16 rounding point is needed for one. With QK-LayerNorm "
         f"none of {len(normed)} runs ran away or spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, "
         f"one seed per placement and rate; largest logit "
-        f"{min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} that have a twin "
-        f"without it ended with the lower loss ({loss_range(b for _, b in compared)} against "
+        f"{min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} that have a "
+        f"same-seed twin without it ended with the lower loss ({loss_range(b for _, b in compared)} against "
         f"{loss_range(a for a, _ in compared)}): the one cure here that held in every placement, "
-        f"at one seed.")
+        f"at one seed. A lower learning rate is no cure on this evidence: at half the recipe's rate both "
+        f"bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, one seed) where attention "
+        f"in fp32 did not.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
