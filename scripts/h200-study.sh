@@ -7,7 +7,7 @@
 #                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
 #                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
 #                                  (the committed sample in place of the corpus: same model and batch), then
-#                                  `lowprec bench overhead --profile`
+#                                  `lowprec bench overhead PROBE_BENCH` (default --profile) into overhead.json
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue
@@ -41,7 +41,8 @@ probe)
       -k "$PROBE_TESTS" > "$3/probe-tests.log" 2>&1
     [ "$2" != none ] && python3 scripts/time_arm.py --queue "${1%% *}" --arm "$2" --steps 300 --work "$3" \
       --set data=sample:bytes --out "$3/time-$2.json"
-    python3 -m lowprec.cli bench overhead --profile --out "$3/overhead.json"
+    # shellcheck disable=SC2086
+    python3 -m lowprec.cli bench overhead ${PROBE_BENCH:---profile} --out "$3/overhead.json"
   ' probe "$QUEUE" "${ARM:-model-fp32}" "$WORK" > "$WORK/probe.log" 2>&1 < /dev/null &
   echo $! > "$WORK/probe.pid"
   echo "probe started (pid $!)" ;;

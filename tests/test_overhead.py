@@ -31,6 +31,22 @@ def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
     assert all(row["own_us"] >= 0 and row["cum_us"] >= row["own_us"] for row in profile["fwd"])
 
 
+def test_bench_overhead_times_compiled_steps(tmp_path, capsys):
+    """--compile MODE times the GPT steps again with the model under torch.compile (aot_eager on the CPU):
+    one list per implementation and their ratios to SDPA's in the summary; an unknown mode is a one-line
+    error naming the option."""
+    out = tmp_path / "overhead.json"
+    assert cli.main(["bench", "overhead", "--smoke", "--compile", "default", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    impls = bench_overhead.IMPLS
+    assert record["step"]["compile"] == "default"
+    assert {name: len(ms) for name, ms in record["step"]["compiled_ms"].items()} == dict.fromkeys(impls, 1)
+    assert {f"step_vs_sdpa compiled {impl}" for impl in impls if impl != "sdpa"} <= set(record["summary"])
+    assert "compiled (default)" in capsys.readouterr().out
+    assert cli.main(["bench", "overhead", "--smoke", "--compile", "fast"]) == 2
+    assert "--compile" in capsys.readouterr().err
+
+
 def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):
     assert cli.main(["bench", "overhead", "--out", "x.json"]) == 2
     assert "--smoke" in capsys.readouterr().err

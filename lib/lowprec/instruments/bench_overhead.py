@@ -1,14 +1,17 @@
 """`lowprec bench overhead`: our kernel's host time per eager call against SDPA's at small shapes, and a small
-GPT's eager step time with either.
+GPT's step time with either, eager and (`--compile MODE`) under torch.compile.
 
     lowprec bench overhead --out results/attention/overhead.json      # one H200
+    lowprec bench overhead --compile reduce-overhead --batch 32 --heads 6 --seq 256   # + compiled steps
     lowprec bench overhead --smoke                                    # CPU (Triton interpreter), seconds
 
 Calls: SDPA (torch's default choice), our kernel with the Fix off and on and (`triton-jit`) with the Fix off
 launched through Triton's JITFunction.run (flash.direct_launch(False)), fwd and fwd+bwd, over batch, heads
 and sequence lengths at head dim 64, causal. Steps: lowprec.model's GPT at gpu-6l's shape (6 layers, 6 heads
-of 64) at context 256 and batch 32, eager, bf16 autocast, AdamW, random tokens. The record's rows and targets:
-the book's appendix "Methods and record formats".
+of 64) at context 256 and batch 32, eager, bf16 autocast, AdamW, random tokens; with `--compile MODE` the same
+steps again with the model under torch.compile(mode=MODE) ("reduce-overhead": CUDA graphs; on the CPU with
+--smoke the aot_eager backend, which checks the path only). The record's rows and targets: the book's appendix
+"Methods and record formats".
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ CALLS = 50
 STEP = (32, 256)  # the GPT steps' batch and context
 TARGETS = {"host_vs_sdpa": 1.2, "step_vs_sdpa": 1.05}  # at most
 PATH_HEAD = r"^.*?/(?=lowprec/|torch/|triton/)"  # a profiled function's file, shown from its package on
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile's modes
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the host path (cProfile) of each call at the first shape")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default=None, metavar="MODE",
+                        help="also time the GPT steps under torch.compile(mode=MODE): "
+                             + ", ".join(COMPILE_MODES))
 
 
 def host_us(fn: Callable[[], object], device: str, calls: int) -> float:
@@ -137,21 +144,29 @@ def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, ro
     return times
 
 
-def gpt_step(spec: str, batch: int, block_size: int, device: str, tiny: bool) -> Callable[[], None]:
-    """One eager training step of gpu-6l's GPT (smoke-cpu's with `tiny`) at `block_size` with attention
-    `spec`: bf16 autocast, AdamW (fused on a GPU), random tokens."""
+def gpt_step(spec: str, batch: int, block_size: int, device: str, tiny: bool,
+             compile_mode: str | None = None) -> Callable[[], None]:
+    """One training step of gpu-6l's GPT (smoke-cpu's with `tiny`) at `block_size` with attention `spec`:
+    bf16 autocast, AdamW (fused on a GPU), random tokens; eager, or the model under
+    torch.compile(mode=`compile_mode`) (on the CPU: the aot_eager backend)."""
     model_config = dataclasses.replace(get_config("smoke-cpu" if tiny else "gpu-6l").model,
                                        block_size=block_size, attention=spec)
     torch.manual_seed(0)
     model = GPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    forward = model
+    if compile_mode is not None:
+        forward = (torch.compile(model, mode=compile_mode) if device == "cuda"
+                   else torch.compile(model, backend="aot_eager"))
     gen = torch.Generator(device=device).manual_seed(0)
     idx = torch.randint(model_config.vocab_size, (batch, block_size + 1), device=device, generator=gen)
     x, y = idx[:, :-1], idx[:, 1:]
 
     def step() -> None:
+        if compile_mode is not None:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: CUDA graphs may reuse its buffers
         with torch.autocast(device, dtype=torch.bfloat16):
-            _, loss = model(x, y)
+            _, loss = forward(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -163,9 +178,11 @@ def geomean(values: list[float]) -> float | None:
     return round(math.exp(sum(map(math.log, values)) / len(values)), 3) if values else None
 
 
-def summary(rows: list[dict], steps: dict[str, list[float]]) -> dict:
+def summary(rows: list[dict], steps: dict[str, list[float]], compiled: dict[str, list[float]] | None = None
+            ) -> dict:
     """Our host time per call over SDPA's (geometric mean over shapes, per mode and implementation), step
-    time over SDPA's (medians over rounds), and whether each meets TARGETS."""
+    time over SDPA's (medians over rounds), eager and (`compiled`) under torch.compile, and whether each meets
+    TARGETS."""
     host = {(r["impl"], r["batch"], r["heads"], r["seq"], r["mode"]): r["host_us"] for r in rows
             if "host_us" in r}
     out: dict = {}
@@ -176,9 +193,10 @@ def summary(rows: list[dict], steps: dict[str, list[float]]) -> dict:
             ratios = [us / host[("sdpa", *key[1:])] for key, us in host.items()
                       if key[0] == impl and key[4] == mode and ("sdpa", *key[1:]) in host]
             out[f"host_vs_sdpa {impl} {mode}"] = geomean(ratios)
-        median = {name: sorted(ms)[len(ms) // 2] for name, ms in steps.items() if ms}
-        if impl in median and "sdpa" in median:
-            out[f"step_vs_sdpa {impl}"] = round(median[impl] / median["sdpa"], 3)
+        for label, timed in (("", steps), (" compiled", compiled or {})):
+            median = {name: sorted(ms)[len(ms) // 2] for name, ms in timed.items() if ms}
+            if impl in median and "sdpa" in median:
+                out[f"step_vs_sdpa{label} {impl}"] = round(median[impl] / median["sdpa"], 3)
     out["met"] = {key: None if value is None else value <= TARGETS[key.split()[0]]
                   for key, value in out.items()}
     return out
@@ -211,7 +229,12 @@ def run(args: argparse.Namespace) -> int:
     steps = {name: launched(gpt_step(spec, batch, block_size, device, args.smoke), name)
              for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
-    record["summary"] = summary(record["calls"], record["step"]["ms"])
+    if args.compile:
+        compiled = {name: launched(gpt_step(spec, batch, block_size, device, args.smoke, args.compile), name)
+                    for name, spec in IMPLS.items()}
+        record["step"]["compile"] = args.compile
+        record["step"]["compiled_ms"] = time_steps(compiled, device, args.steps, args.rounds)
+    record["summary"] = summary(record["calls"], record["step"]["ms"], record["step"].get("compiled_ms"))
     record["seconds"] = round(time.perf_counter() - start, 1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -229,8 +252,9 @@ def table(record: dict) -> str:
         lines.append(f"{r['batch']:>3} {r['heads']:>3} {r['seq']:>5} {r.get('mode', '-'):<8} {r['impl']:<13} "
                      f"{' '.join(cells)}  {r.get('error', '')}")
     step = record["step"]
-    for name, ms in step["ms"].items():
-        lines.append(f"step {step['config']} N={step['block_size']} B={step['batch']} {name:<13} "
-                     f"{' '.join(f'{m:.2f}' for m in ms)} ms")
+    for label, key in (("", "ms"), (f" compiled ({step.get('compile')})", "compiled_ms")):
+        for name, ms in step.get(key, {}).items():
+            lines.append(f"step{label} {step['config']} N={step['block_size']} B={step['batch']} {name:<13} "
+                         f"{' '.join(f'{m:.2f}' for m in ms)} ms")
     lines.append(f"summary: {record['summary']}")
     return "\n".join(lines)
