@@ -228,6 +228,36 @@ def test_kernel_bit_identical_any_blocks(n, block_m, block_n):
         assert_bit_identical(*run_both(q, k, v, do, causal=causal, fix=Fix(), **blocks))
 
 
+def test_tma_loads_are_bit_identical(monkeypatch):
+    """`tma_loads`: the forward's key and value tiles through tensor descriptors give the pointer loads' o,
+    lse and counters bit for bit (under the interpreter, and compiled on a GPU): tails past the last key, a
+    padded head dim (48 in 64), grouped heads, causal or not, the Fix (whose first pass reads the keys too);
+    a view whose row stride is not 16-byte aligned keeps the pointer loads."""
+    from lowprec.attention import flash
+
+    device = "cpu" if INTERPRET else "cuda"
+    used = []
+    launch = flash._launch
+    monkeypatch.setattr(flash, "_launch", lambda *a, **kw: (used.append(kw.get("TMA")), launch(*a, **kw))[1])
+    gen = torch.Generator().manual_seed(11)
+    for n, d, groups in ((100, 48, 2), (64, 32, 1), (17, 16, 4)):
+        q = torch.randn(1, 4, n, d, generator=gen).bfloat16().to(device)
+        k, v = (torch.randn(1, 4 // groups, n, d, generator=gen).bfloat16().to(device) for _ in range(2))
+        for causal, fix in ((True, None), (False, Fix())):
+            plain = flash_attention(q, k, v, causal, fix=fix, return_lse=True, return_stats=fix is not None)
+            with flash.tma_loads():
+                tma = flash_attention(q, k, v, causal, fix=fix, return_lse=True, return_stats=fix is not None)
+            assert torch.equal(plain[0], tma[0]) and torch.equal(plain[1], tma[1]), (n, d, groups, causal)
+            if fix is not None:
+                assert plain[2].totals() == tma[2].totals() and tma[2].totals()["rows_triggered"] >= 0
+    assert used.count(True) == used.count(False) > 0
+    wide = torch.randn(1, 2, 40, 17, generator=gen).bfloat16().to(device)[..., :16]  # row stride 34 bytes
+    used.clear()
+    with flash.tma_loads():
+        flash_attention(wide, wide, wide)
+    assert used == [False] and not flash._tma_ready(wide) and flash._tma_ready(wide.contiguous())
+
+
 def assert_within_flash_attention_rule(kernel, q, k, v, do) -> None:
     """FlashAttention's rule: each of o, dq, dk, dv is at most twice as far from the float64 reference as
     plain attention in the same precision, plus a small floor."""
@@ -313,7 +343,9 @@ def test_kernels_compile_for_h200():
     builds = json.loads(done.stdout.strip().splitlines()[-1])
     names = {name.split(" d")[0] for name in builds}
     assert names == {"forward", "dkdv", "dq", "forward+fix", "forward+fix+stats", "forward consistent",
-                     "forward fp32", "dkdv grouped", "forward fixed", "dkdv fixed", "dq fixed"}
+                     "forward fp32", "dkdv grouped", "forward fixed", "dkdv fixed", "dq fixed", "forward tma",
+                     "forward+fix tma"}
+    assert all(usage["spills"] == 0 for name, usage in builds.items() if "tma" in name), "TMA: no spills"
     first = next(name for name in builds if name.startswith("forward d128"))
     plain, fixed_fwd = builds[first]["sass"], builds[first.replace("forward", "forward+fix")]["sass"]
     assert plain < fixed_fwd < builds[first.replace("forward", "forward+fix+stats")]["sass"], "the Fix's work"
@@ -810,6 +842,19 @@ def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
     rows = launch_overhead({"math": math_attention}, 1, 2, 64, 16, True, "cpu", calls=3)
     assert [(r["impl"], r["mode"], r["calls"]) for r in rows] == [("math", "fwd", 3), ("math", "fwd+bwd", 3)]
     assert all(r["plain_us"] > 0 and "graph_us" not in r and "plain_us_error" not in r for r in rows)
+
+
+def test_bench_attention_times_the_tma_loads_beside_the_rest(tmp_path):
+    """`lowprec bench attention --tma`: our kernel with the forward's tiles through tensor descriptors, Fix
+    off and on, timed with the rest, and their speed-up over the pointer loads per configuration."""
+    from lowprec import cli
+
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "attention", "--smoke", "--tma", "--causal", "true", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert {"triton", "triton+fix", "triton-tma", "triton+fix-tma"} <= {r["impl"] for r in record["results"]}
+    entry = record["fix_overhead"][0]
+    assert entry["fwd_tma_speedup"] > 0 and entry["fwd+bwd_tma_speedup+fix"] > 0
 
 
 def test_repeated_call_options_are_resolved_once():

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime import _allocation
 from triton.runtime.errors import OutOfResources
 
 from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix
@@ -97,7 +98,8 @@ def _tuned(kernel, name: str, rows: str, keys: tuple[str, ...]):
 # A new (head_dim, causal, variant) compiles each config once (~1 s), a new N re-times them (~0.1 s). The
 # forward's key tile stays FWD_BLOCK_N; the Fix's constexprs and the rounding codes are in the key, so Fix on
 # and off and each precision get their own picks.
-_fwd_tuned = _tuned(_fwd, "fwd", "BLOCK_M", keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "NORM", "CODES"))
+_fwd_tuned = _tuned(_fwd, "fwd", "BLOCK_M",
+                    keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "NORM", "CODES", "TMA"))
 _dkdv_tuned = _tuned(_dkdv, "dkdv", "BLOCK_N", keys=("GROUP", "C_SCORES"))
 _dq_tuned = _tuned(_dq, "dq", "BLOCK_M", keys=("C_SCORES",))
 
@@ -173,6 +175,34 @@ def direct_launch(on: bool = True):
         yield
     finally:
         DIRECT = was
+
+
+TMA = False  # the forward's key and value tiles through tensor descriptors (`tma_loads`; False: pointers)
+
+
+@contextlib.contextmanager
+def tma_loads(on: bool = True):
+    """Inside the block, the forward kernel loads its key and value tiles through tensor descriptors (the
+    Hopper's TMA unit on a GPU) where the layout allows it (`_tma_ready`), bit-identical to its pointer loads;
+    `on=False`: pointer loads (the default)."""
+    global TMA
+    was, TMA = TMA, on
+    try:
+        yield
+    finally:
+        TMA = was
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can address every head of each (B, H, N, D) tensor: a contiguous head dim,
+    16-byte aligned data and batch, head and row strides."""
+    return all(t.stride(3) == 1 and t.data_ptr() % 16 == 0
+               and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:3]) for t in tensors)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator for the descriptors a kernel makes on the device (`triton.set_allocator`)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _signature(args: tuple) -> tuple:
@@ -295,10 +325,13 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int,
     stats = (torch.zeros((len(STAT_NAMES), B, H, N), device=q.device, dtype=torch.int32) if with_stats
              else lse.new_empty((0,), dtype=torch.int32))
     sizes = (N, k.shape[2], H, H // k.shape[1])
+    tma = TMA and _tma_ready(k, v)
+    if tma and not INTERPRET and _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)  # its descriptors need device memory; a user's allocator stays
     _launch("fwd", (block_m, block_n), N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
             *map(_strides, (q, k, v, o)), *sizes, B * H, scale, tuple(fix), seed, sizes=sizes, D=D,
             BLOCK_D=_block_d(D), CAUSAL=causal, FIX=fix_mode, WITH_STATS=with_stats, P_FP32=p_fp32,
-            NATIVE_P=native_p, NORM=norm, IEEE=q.dtype == torch.float32, CODES=tuple(codes))
+            NATIVE_P=native_p, NORM=norm, IEEE=q.dtype == torch.float32, CODES=tuple(codes), TMA=tma)
     return o, lse, stats
 
 
@@ -517,12 +550,13 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
     and (with `variants`) the variants at the first kept config: dK/dV for grouped-query attention
     (GROUPED), the forward with the Fix (and with its counters), with rounded-weight normalisation (NORM),
-    and in fp32 (sizes, group size included, are runtime arguments). Pointers and strides are taken
-    16-aligned, as the runtime specialises them. Returns, per build "<kernel> d<D>
-    <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread, spill bytes, its
-    count of ex2.approx instructions in the PTX (all, and the flushing ex2.approx.ftz.f32) and of SASS
-    instructions (`sass`, nvdisasm's listing). Needs compiled (not interpreted) kernels: import this module
-    with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
+    with its key and value tiles through tensor descriptors (TMA; at every kept config) and in fp32 (sizes,
+    group size included, are runtime arguments). Pointers and strides are taken 16-aligned, as the runtime
+    specialises them. Returns, per build "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared
+    memory in bytes, registers per thread, spill bytes, its count of ex2.approx instructions in the PTX (all,
+    and the flushing ex2.approx.ftz.f32) and of SASS instructions (`sass`, nvdisasm's listing). Needs compiled
+    (not interpreted) kernels: import this module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs
+    it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget
@@ -539,7 +573,7 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     for head_dim in head_dims:
         base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False)
         fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True, NORM=0,
-                   CODES=tuple(_codes(fa2, torch.bfloat16).values()))
+                   CODES=tuple(_codes(fa2, torch.bfloat16).values()), TMA=False)
         backward = dict(base, C_SCORES=NONE)
         fixed = [triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), FIXED_BLOCKS, strict=True)),
                                **_fixed_options(_block_d(head_dim)))]
@@ -555,6 +589,8 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             ("forward+fix", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1), "bf16", False),
             ("forward+fix+stats", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
             ("forward consistent", _fwd_tuned, "BLOCK_M", dict(fwd, NORM=1), "bf16", False),
+            ("forward tma", _fwd_tuned, "BLOCK_M", dict(fwd, TMA=True), "bf16", every_config),
+            ("forward+fix tma", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=2, TMA=True), "bf16", False),
             ("forward fp32", _fwd_tuned, "BLOCK_M",
              dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())), "fp32", False),
         ]

@@ -56,6 +56,21 @@ def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.cons
 
 
 @triton.jit
+def _kv_tile(ptr, start, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr,
+             CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """`_load` of the key or value tile of `rows` (start, start + 1, ...), or (TMA) the same tile through
+    `ptr`, a tensor descriptor of the head's (n_rows, D) matrix whose block is (len(rows), BLOCK_D): rows
+    past n_rows and columns past D come back as zeros, as `_load` pads them."""
+    if TMA:
+        x = ptr.load([start, 0])  # (BLOCK_N, BLOCK_D)
+        if TRANSPOSE:
+            x = tl.trans(x)
+    else:
+        x = _load(ptr, rows, offs_d, n_rows, stride, D, TRANSPOSE, CHECK_ROWS)
+    return x
+
+
+@triton.jit
 def _program(H, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's block and head: (the block's first row, its rows (BLOCK,), the head dim's offsets
     (BLOCK_D,), bh, b, h). B*H is folded over the grid's y and z, so in the fold's last row of programs bh
@@ -116,14 +131,14 @@ def _top_two(s, best, second):
 def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, m_i, l_i, acc, counts, fix,
               seed, bh, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               FIX: tl.constexpr, WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr,
-              NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr):
+              NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr, TMA: tl.constexpr):
     """One key/value tile of the forward pass (precision.py's op order, each rounding point a `_round`).
-    Returns the updated (m_i, l_i, acc, counts)."""
+    K and V: pointers, or (TMA) tensor descriptors. Returns the updated (m_i, l_i, acc, counts)."""
     n_ones, n_ties, n_near, n_trig, n_fallback = counts  # (BLOCK_M,) int32 each
     tol = fix[1]  # fix = (beta, tol, min_gap, max_gap)
     # -- scores --
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True, MASK)  # (BLOCK_D, BLOCK_N)
+    kt = _kv_tile(K, start_n, offs_n, offs_d, N_K, sk_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
     s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, CODES[SCORES], IEEE)
     r = tl.max(s, 1)  # (BLOCK_M,)
     # -- shift (Fix) --
@@ -146,9 +161,9 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     if NORM == 0:  # "exact": l sums the fp32 P
         l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
     # -- weights: P̄ as it enters the dot --
-    v = _load(V, offs_n, offs_d, N_K, sv_n, D, False, MASK)  # (BLOCK_N, BLOCK_D)
+    v = _kv_tile(V, start_n, offs_n, offs_d, N_K, sv_n, D, False, MASK, TMA)  # (BLOCK_N, BLOCK_D)
     if NATIVE_P:  # the weights rounding is the cast to V's dtype: do it once
-        p_dot = p.to(V.dtype.element_ty)
+        p_dot = p.to(v.dtype)
         p = p_dot.to(tl.float32)
     else:
         p = _round(p, CODES[WEIGHTS], seed, bh * 8 + WEIGHTS, offs_m[:, None] * N_K + offs_n[None, :])
@@ -156,7 +171,7 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
             p_dot = p
             v = v.to(tl.float32)
         else:
-            p_dot = p.to(V.dtype.element_ty)
+            p_dot = p.to(v.dtype)
     if NORM == 1:  # "rounded": l sums the P̄ that enter the dot
         l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
     # -- P̄V and the running output --
@@ -181,14 +196,19 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
 def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, fix, seed, D: tl.constexpr,
          BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
          FIX: tl.constexpr, WITH_STATS: tl.constexpr, P_FP32: tl.constexpr, NATIVE_P: tl.constexpr,
-         NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr):
+         NORM: tl.constexpr, IEEE: tl.constexpr, CODES: tl.constexpr, TMA: tl.constexpr = False):
     """Forward of one query block of one query head: key tiles without masks first, then the tiles that need
-    one. sq, sk, sv, so: (batch, head, seq) strides; the head dim is contiguous."""
+    one. sq, sk, sv, so: (batch, head, seq) strides; the head dim is contiguous. TMA: the key and value
+    tiles come through tensor descriptors of the head (16-byte aligned head and row strides: the caller
+    checks), bit for bit the same tiles."""
     m0, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
     if bh >= BH:
         return
     Q, O = Q + _head(b, h, sq), O + _head(b, h, so)
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)  # the group's key/value head
+    if TMA:  # from here on K and V are the head's descriptors, one (BLOCK_N, BLOCK_D) tile a load
+        K = tl.make_tensor_descriptor(K, shape=[N_K, D], strides=[sk[2], 1], block_shape=[BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, shape=[N_K, D], strides=[sv[2], 1], block_shape=[BLOCK_N, BLOCK_D])
     offset = N_K - N_Q  # causal: row i sees keys j <= i + offset
     q = _load(Q, offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
     full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
@@ -202,7 +222,7 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
         second = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (BLOCK_M,)
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _load(K, offs_n, offs_d, N_K, sk[2], D, True)  # (BLOCK_D, BLOCK_N)
+            kt = _kv_tile(K, start_n, offs_n, offs_d, N_K, sk[2], D, True, True, TMA)  # (BLOCK_D, BLOCK_N)
             s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, True, CAUSAL, CODES[SCORES], IEEE)
             best, second = _top_two(s, best, second)
         ties = (second >= best - fix[1]) & (best > float("-inf"))
@@ -212,11 +232,11 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc, counts = _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
                                           m_i, l_i, acc, counts, fix, seed, bh, D, BLOCK_N, False, CAUSAL,
-                                          FIX, WITH_STATS, P_FP32, NATIVE_P, NORM, IEEE, CODES)
+                                          FIX, WITH_STATS, P_FP32, NATIVE_P, NORM, IEEE, CODES, TMA)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc, counts = _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
                                           m_i, l_i, acc, counts, fix, seed, bh, D, BLOCK_N, True, CAUSAL, FIX,
-                                          WITH_STATS, P_FP32, NATIVE_P, NORM, IEEE, CODES)
+                                          WITH_STATS, P_FP32, NATIVE_P, NORM, IEEE, CODES, TMA)
     # -- output and lse (a row that saw no key: o = 0, lse = +inf) --
     empty = l_i == 0.0  # (BLOCK_M,)
     l_safe = tl.where(empty, 1.0, l_i)

@@ -60,6 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time the host's share instead: a loop of calls, plain against replayed from a CUDA graph",
     )
+    parser.add_argument("--tma", action="store_true",
+                        help="also our kernel with the forward's key and value tiles through tensor "
+                             "descriptors (triton-tma, triton+fix-tma; flash.tma_loads), interleaved")
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
 
@@ -69,14 +72,28 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, mode: s
     return forward * FLOP_FACTOR[mode] / (2 if causal else 1)
 
 
-def implementations(device: str) -> tuple[dict[str, Callable], dict[str, str]]:
-    """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped)."""
+def tma_loads(fn: Callable) -> Callable:
+    """`fn` run inside flash.tma_loads(): the forward's key and value tiles through tensor descriptors."""
+    from lowprec.attention.flash import tma_loads as loads
+
+    def call(*args, **kwargs):
+        with loads():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def implementations(device: str, tma: bool = False) -> tuple[dict[str, Callable], dict[str, str]]:
+    """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped); `tma`
+    adds our kernel with the forward's tiles through tensor descriptors, Fix off and on."""
     from lowprec.attention.flash import flash_attention  # triton only when benchmarking
 
     impls: dict[str, Callable] = {
         "triton": flash_attention,
         "triton+fix": functools.partial(flash_attention, fix=Fix()),
     }
+    if tma:
+        impls |= {f"{name}-tma": tma_loads(fn) for name, fn in impls.items()}
     skipped = {}
     x = torch.randn(1, 2, 128, 64, device=device, dtype=torch.bfloat16)
     for backend in ("flash", "cudnn"):
@@ -228,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     causals = {"false": [False], "true": [True], "both": [False, True]}[args.causal]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    impls, skipped = implementations(device)
+    impls, skipped = implementations(device, args.tma)
     from lowprec.attention.flash import autotuned_configs
 
     record = {
@@ -275,8 +292,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def fix_overhead(results: list[dict]) -> list[dict]:
-    """Per configuration: time(triton+fix) / time(triton) - 1 and TFLOP/s(triton) / TFLOP/s(sdpa-flash),
-    for fwd and fwd+bwd (where both were measured)."""
+    """Per configuration: time(triton+fix) / time(triton) - 1, TFLOP/s(triton) / TFLOP/s(sdpa-flash) and
+    (with --tma) time(triton) / time(triton-tma), the same with the Fix, for fwd and fwd+bwd (where both
+    were measured)."""
     rows: dict[tuple, dict] = {}
     for r in results:
         if "fwd_ms" in r:
@@ -293,6 +311,11 @@ def fix_overhead(results: list[dict]) -> list[dict]:
                 entry[f"{mode}_vs_flash"] = round(
                     impls["sdpa-flash"][f"{mode}_ms"] / impls["triton"][f"{mode}_ms"], 3
                 )
+            for name in ("triton", "triton+fix"):  # with --tma: the descriptors' speed-up
+                if name in impls and f"{name}-tma" in impls:
+                    entry[f"{mode}_tma_speedup{name[6:]}"] = round(
+                        impls[name][f"{mode}_ms"] / impls[f"{name}-tma"][f"{mode}_ms"], 3
+                    )
         out.append(entry)
     return out
 
