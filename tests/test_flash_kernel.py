@@ -229,10 +229,10 @@ def test_kernel_bit_identical_any_blocks(n, block_m, block_n):
 
 
 def test_tma_loads_are_bit_identical(monkeypatch):
-    """`tma_loads`: the forward's key and value tiles through tensor descriptors give the pointer loads' o,
-    lse and counters bit for bit (under the interpreter, and compiled on a GPU): tails past the last key, a
-    padded head dim (48 in 64), grouped heads, causal or not, the Fix (whose first pass reads the keys too);
-    a view whose row stride is not 16-byte aligned keeps the pointer loads."""
+    """`tma_loads`: the kernels' streamed tiles through tensor descriptors give the pointer loads' o, lse,
+    counters and gradients bit for bit (under the interpreter, and compiled on a GPU): tails past the last
+    key, a padded head dim (48 in 64), grouped heads, causal or not, the Fix per tile and per row (whose
+    first pass reads the keys too); a view whose row stride is not 16-byte aligned keeps the pointer loads."""
     from lowprec.attention import flash
 
     device = "cpu" if INTERPRET else "cuda"
@@ -243,14 +243,20 @@ def test_tma_loads_are_bit_identical(monkeypatch):
     for n, d, groups in ((100, 48, 2), (64, 32, 1), (17, 16, 4)):
         q = torch.randn(1, 4, n, d, generator=gen).bfloat16().to(device)
         k, v = (torch.randn(1, 4 // groups, n, d, generator=gen).bfloat16().to(device) for _ in range(2))
-        for causal, fix in ((True, None), (False, Fix())):
-            plain = flash_attention(q, k, v, causal, fix=fix, return_lse=True, return_stats=fix is not None)
+        do = torch.randn(q.shape, generator=gen).bfloat16().to(device)
+        for causal, fix in ((True, None), (False, Fix()), (True, Fix(tie="row"))):
+            def run(q=q, k=k, v=v, do=do, causal=causal, fix=fix) -> list[torch.Tensor]:
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                o, lse, *stats = flash_attention(*leaves, causal, fix=fix, return_lse=True,
+                                                 return_stats=fix is not None)
+                o.backward(do)
+                counters = [getattr(s, name) for s in stats for name in STAT_NAMES]
+                return [o, lse, *(leaf.grad for leaf in leaves), *counters]
+            plain = run()
             with flash.tma_loads():
-                tma = flash_attention(q, k, v, causal, fix=fix, return_lse=True, return_stats=fix is not None)
-            assert torch.equal(plain[0], tma[0]) and torch.equal(plain[1], tma[1]), (n, d, groups, causal)
-            if fix is not None:
-                assert plain[2].totals() == tma[2].totals() and tma[2].totals()["rows_triggered"] >= 0
-    assert used.count(True) == used.count(False) > 0
+                tma = run()
+            assert all(map(torch.equal, plain, tma)), (n, d, groups, causal)
+    assert used.count(True) == used.count(False) > 0 and len(used) == 3 * 3 * 2 * 3  # fwd, dkdv, dq
     wide = torch.randn(1, 2, 40, 17, generator=gen).bfloat16().to(device)[..., :16]  # row stride 34 bytes
     used.clear()
     with flash.tma_loads():
@@ -344,8 +350,11 @@ def test_kernels_compile_for_h200():
     names = {name.split(" d")[0] for name in builds}
     assert names == {"forward", "dkdv", "dq", "forward+fix", "forward+fix+stats", "forward consistent",
                      "forward fp32", "dkdv grouped", "forward fixed", "dkdv fixed", "dq fixed", "forward tma",
-                     "forward+fix tma"}
-    assert all(usage["spills"] == 0 for name, usage in builds.items() if "tma" in name), "TMA: no spills"
+                     "forward+fix tma", "dkdv tma", "dq tma"}
+    paired = {name: name.replace(" tma", "") for name in builds if " tma " in name}
+    assert all(builds[tma][key] <= builds[plain][key] for tma, plain in paired.items() if plain in builds
+               for key in ("registers", "spills")), "descriptors: no more registers or spills than pointers"
+    assert len([plain for plain in paired.values() if plain in builds]) == 4
     first = next(name for name in builds if name.startswith("forward d128"))
     plain, fixed_fwd = builds[first]["sass"], builds[first.replace("forward", "forward+fix")]["sass"]
     assert plain < fixed_fwd < builds[first.replace("forward", "forward+fix+stats")]["sass"], "the Fix's work"
@@ -845,7 +854,7 @@ def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
 
 
 def test_bench_attention_times_the_tma_loads_beside_the_rest(tmp_path):
-    """`lowprec bench attention --tma`: our kernel with the forward's tiles through tensor descriptors, Fix
+    """`lowprec bench attention --tma`: our kernel with its streamed tiles through tensor descriptors, Fix
     off and on, timed with the rest, and their speed-up over the pointer loads per configuration."""
     from lowprec import cli
 

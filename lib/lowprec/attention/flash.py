@@ -100,8 +100,8 @@ def _tuned(kernel, name: str, rows: str, keys: tuple[str, ...]):
 # and off and each precision get their own picks.
 _fwd_tuned = _tuned(_fwd, "fwd", "BLOCK_M",
                     keys=("FIX", "WITH_STATS", "P_FP32", "NATIVE_P", "NORM", "CODES", "TMA"))
-_dkdv_tuned = _tuned(_dkdv, "dkdv", "BLOCK_N", keys=("GROUP", "C_SCORES"))
-_dq_tuned = _tuned(_dq, "dq", "BLOCK_M", keys=("C_SCORES",))
+_dkdv_tuned = _tuned(_dkdv, "dkdv", "BLOCK_N", keys=("GROUP", "C_SCORES", "TMA"))
+_dq_tuned = _tuned(_dq, "dq", "BLOCK_M", keys=("C_SCORES", "TMA"))
 
 
 _KERNELS = {"fwd": (_fwd, _fwd_tuned), "dkdv": (_dkdv, _dkdv_tuned), "dq": (_dq, _dq_tuned)}
@@ -177,14 +177,15 @@ def direct_launch(on: bool = True):
         DIRECT = was
 
 
-TMA = False  # the forward's key and value tiles through tensor descriptors (`tma_loads`; False: pointers)
+TMA = False  # the kernels' streamed tiles through tensor descriptors (`tma_loads`; False: pointer loads)
 
 
 @contextlib.contextmanager
 def tma_loads(on: bool = True):
-    """Inside the block, the forward kernel loads its key and value tiles through tensor descriptors (the
-    Hopper's TMA unit on a GPU) where the layout allows it (`_tma_ready`), bit-identical to its pointer loads;
-    `on=False`: pointer loads (the default)."""
+    """Inside the block, the kernels load the tiles they stream (the forward and dQ: key and value tiles;
+    dK/dV: query and dO tiles) through tensor descriptors (the Hopper's TMA unit on a GPU) where the layout
+    allows it (`_tma_ready`), bit-identical to their pointer loads; `on=False`: pointer loads (the
+    default)."""
     global TMA
     was, TMA = TMA, on
     try:
@@ -367,7 +368,11 @@ def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     q, k, v, do = (_addressable(t) for t in (q, k, v, do))
     delta = flash_delta(o, do)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=causal, IEEE=q.dtype == torch.float32, C_SCORES=c_scores)
+    tma = TMA and _tma_ready(q, k, v, do)
+    if tma and not INTERPRET and _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+    common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=causal, IEEE=q.dtype == torch.float32, C_SCORES=c_scores,
+                  TMA=tma)
     sizes, blocks = (N, n_k, H, H // H_kv), (block_m, block_n)
     _launch("dkdv", blocks, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
             *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, scale, sizes=sizes, GROUPED=H_kv < H,
@@ -574,7 +579,7 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
         base = dict(D=head_dim, BLOCK_D=_block_d(head_dim), CAUSAL=True, IEEE=False)
         fwd = dict(base, FIX=0, WITH_STATS=False, P_FP32=False, NATIVE_P=True, NORM=0,
                    CODES=tuple(_codes(fa2, torch.bfloat16).values()), TMA=False)
-        backward = dict(base, C_SCORES=NONE)
+        backward = dict(base, C_SCORES=NONE, TMA=False)
         fixed = [triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), FIXED_BLOCKS, strict=True)),
                                **_fixed_options(_block_d(head_dim)))]
         builds = [  # (name, kernel, rows, constexprs, input dtype, True: every kept config, False: the first,
@@ -590,7 +595,10 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
             ("forward+fix+stats", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, WITH_STATS=True), "bf16", False),
             ("forward consistent", _fwd_tuned, "BLOCK_M", dict(fwd, NORM=1), "bf16", False),
             ("forward tma", _fwd_tuned, "BLOCK_M", dict(fwd, TMA=True), "bf16", every_config),
-            ("forward+fix tma", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=2, TMA=True), "bf16", False),
+            ("forward+fix tma", _fwd_tuned, "BLOCK_M", dict(fwd, FIX=1, TMA=True), "bf16", False),
+            ("dkdv tma", _dkdv_tuned, "BLOCK_N", dict(backward, GROUPED=False, TMA=True), "bf16",
+             every_config),
+            ("dq tma", _dq_tuned, "BLOCK_M", dict(backward, TMA=True), "bf16", every_config),
             ("forward fp32", _fwd_tuned, "BLOCK_M",
              dict(fwd, IEEE=True, CODES=tuple(_codes(fa2, torch.float32).values())), "fp32", False),
         ]

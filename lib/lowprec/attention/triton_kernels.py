@@ -273,11 +273,12 @@ def _delta(O, DO, DELTA, so, sdo, N, H, BH, D: tl.constexpr, BLOCK_D: tl.constex
 @triton.jit
 def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K, offset, sq_n, sdo_n, scale,
                D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               IEEE: tl.constexpr, C_SCORES: tl.constexpr):
-    """One query block's contribution to a key block's dK, dV (computed transposed: keys x queries)."""
+               IEEE: tl.constexpr, C_SCORES: tl.constexpr, TMA: tl.constexpr):
+    """One query block's contribution to a key block's dK, dV (computed transposed: keys x queries). Q and DO:
+    pointers, or (TMA) tensor descriptors."""
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    qt = _load(Q, offs_m, offs_d, N_Q, sq_n, D, True, MASK)  # (BLOCK_D, BLOCK_M)
-    do = _load(DO, offs_m, offs_d, N_Q, sdo_n, D, False, MASK)  # (BLOCK_M, BLOCK_D)
+    qt = _kv_tile(Q, start_m, offs_m, offs_d, N_Q, sq_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_M)
+    do = _kv_tile(DO, start_m, offs_m, offs_d, N_Q, sdo_n, D, False, MASK, TMA)  # (BLOCK_M, BLOCK_D)
     if MASK:
         lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
@@ -293,21 +294,22 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_
         st = tl.where(valid, st, float("-inf"))
     # -- P from the saved lse, then dV --
     pt = _exp_sub(st, lse[None, :], IEEE, IEEE)  # (BLOCK_N, BLOCK_M)
-    dv = _dot(pt.to(DO.dtype.element_ty), do, dv, IEEE)  # (BLOCK_N, BLOCK_D)
+    dv = _dot(pt.to(do.dtype), do, dv, IEEE)  # (BLOCK_N, BLOCK_D)
     # -- dS = P (dP - delta), then dK --
     dst = pt * (_dot(v, tl.trans(do), None, IEEE) - delta[None, :])  # (BLOCK_N, BLOCK_M)
-    dk = _dot(dst.to(Q.dtype.element_ty), tl.trans(qt), dk, IEEE)  # (BLOCK_N, BLOCK_D)
+    dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk, IEEE)  # (BLOCK_N, BLOCK_D)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH"])
 def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, H, GROUP, BH, scale,
           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr, GROUPED: tl.constexpr):
+          CAUSAL: tl.constexpr, IEEE: tl.constexpr, C_SCORES: tl.constexpr, GROUPED: tl.constexpr,
+          TMA: tl.constexpr = False):
     """dK, dV of one key block of one key/value head (BH = batch x key/value heads): the GROUP query heads
     that read it (GROUPED: GROUP > 1; else the one head, with no loop over heads) in increasing order, each
     over its query blocks in increasing order (diagonal ones masked, then unmasked ones, then the tail beyond
-    the last whole block)."""
+    the last whole block). TMA: the Q and dO tiles through tensor descriptors of the head, as in _fwd."""
     start_n, offs_n, offs_d, bh, b, kvh = _program(H // GROUP, BLOCK_N, BLOCK_D)  # bh: batch x key/value head
     if bh >= BH:
         return
@@ -327,16 +329,21 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
     for g in range(0, GROUP if GROUPED else 1):
         h = kvh * GROUP + g
         Qh, DOh = Q + _head(b, h, sq), DO + _head(b, h, sdo)
+        if TMA:
+            Qh = tl.make_tensor_descriptor(Qh, shape=[N_Q, D], strides=[sq[2], 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+            DOh = tl.make_tensor_descriptor(DOh, shape=[N_Q, D], strides=[sdo[2], 1],
+                                            block_shape=[BLOCK_M, BLOCK_D])
         LSEh, DELTAh = LSE + (b * H + h).to(tl.int64) * N_Q, DELTA + (b * H + h).to(tl.int64) * N_Q
         for start_m in range(lo, tl.minimum(mid, N_Q), BLOCK_M):
             dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
-                                offset, sq[2], sdo[2], scale, D, BLOCK_M, True, CAUSAL, IEEE, C_SCORES)
+                                offset, sq[2], sdo[2], scale, D, BLOCK_M, True, CAUSAL, IEEE, C_SCORES, TMA)
         for start_m in range(mid, end, BLOCK_M):
             dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
-                                offset, sq[2], sdo[2], scale, D, BLOCK_M, False, CAUSAL, IEEE, C_SCORES)
+                                offset, sq[2], sdo[2], scale, D, BLOCK_M, False, CAUSAL, IEEE, C_SCORES, TMA)
         for start_m in range(tl.maximum(mid, end), N_Q, BLOCK_M):
             dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
-                                offset, sq[2], sdo[2], scale, D, BLOCK_M, True, CAUSAL, IEEE, C_SCORES)
+                                offset, sq[2], sdo[2], scale, D, BLOCK_M, True, CAUSAL, IEEE, C_SCORES, TMA)
     kv_mask = (offs_n[:, None] < N_K) & (offs_d[None, :] < D)
     tl.store(DK + _head(b, kvh, sdk) + offs_n[:, None] * sdk[2] + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
@@ -347,15 +354,15 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
 @triton.jit
 def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale,
              D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-             IEEE: tl.constexpr, C_SCORES: tl.constexpr):
-    """One key tile's contribution to a query block's dQ."""
+             IEEE: tl.constexpr, C_SCORES: tl.constexpr, TMA: tl.constexpr):
+    """One key tile's contribution to a query block's dQ. K and V: pointers, or (TMA) tensor descriptors."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _load(K, offs_n, offs_d, N_K, sk_n, D, True, MASK)  # (BLOCK_D, BLOCK_N)
+    kt = _kv_tile(K, start_n, offs_n, offs_d, N_K, sk_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
     # -- scores, P from the saved lse --
     s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, C_SCORES, IEEE)  # (BLOCK_M, BLOCK_N)
     p = _exp_sub(s, lse[:, None], IEEE, IEEE)  # (BLOCK_M, BLOCK_N)
     # -- dS = P (dP - delta), then dQ --
-    vt = _load(V, offs_n, offs_d, N_K, sv_n, D, True, MASK)  # (BLOCK_D, BLOCK_N)
+    vt = _kv_tile(V, start_n, offs_n, offs_d, N_K, sv_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
     ds = p * (_dot(do, vt, None, IEEE) - delta[:, None])  # (BLOCK_M, BLOCK_N)
     return _dot(ds.to(q.dtype), tl.trans(kt), dq, IEEE)  # (BLOCK_M, BLOCK_D)
 
@@ -363,13 +370,16 @@ def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H", "GROUP", "BH"])
 def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, BH, scale, D: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-        IEEE: tl.constexpr, C_SCORES: tl.constexpr):
+        IEEE: tl.constexpr, C_SCORES: tl.constexpr, TMA: tl.constexpr = False):
     """dQ of one query block of one query head: key tiles in increasing order, unmasked ones first (no
-    atomics)."""
+    atomics). TMA: the K and V tiles through tensor descriptors of the head, as in _fwd."""
     m0, offs_m, offs_d, bh, b, h = _program(H, BLOCK_M, BLOCK_D)
     if bh >= BH:
         return
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)
+    if TMA:
+        K = tl.make_tensor_descriptor(K, shape=[N_K, D], strides=[sk[2], 1], block_shape=[BLOCK_N, BLOCK_D])
+        V = tl.make_tensor_descriptor(V, shape=[N_K, D], strides=[sv[2], 1], block_shape=[BLOCK_N, BLOCK_D])
     offset = N_K - N_Q
     q = _load(Q + _head(b, h, sq), offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N_Q, sdo[2], D, False)  # (BLOCK_M, BLOCK_D)
@@ -379,9 +389,9 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, B
     full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, full_end, BLOCK_N):
         dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
-                      D, BLOCK_N, False, CAUSAL, IEEE, C_SCORES)
+                      D, BLOCK_N, False, CAUSAL, IEEE, C_SCORES, TMA)
     for start_n in range(full_end, hi, BLOCK_N):
         dq = _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, sk[2], sv[2], scale,
-                      D, BLOCK_N, True, CAUSAL, IEEE, C_SCORES)
+                      D, BLOCK_N, True, CAUSAL, IEEE, C_SCORES, TMA)
     tl.store(DQ + _head(b, h, sdq) + offs_m[:, None] * sdq[2] + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < N_Q) & (offs_d[None, :] < D))

@@ -61,8 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="time the host's share instead: a loop of calls, plain against replayed from a CUDA graph",
     )
     parser.add_argument("--tma", action="store_true",
-                        help="also our kernel with the forward's key and value tiles through tensor "
-                             "descriptors (triton-tma, triton+fix-tma; flash.tma_loads), interleaved")
+                        help="also our kernel with its streamed tiles through tensor descriptors "
+                             "(triton-tma, triton+fix-tma; flash.tma_loads), interleaved with the rest")
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
 
@@ -73,7 +73,7 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, mode: s
 
 
 def tma_loads(fn: Callable) -> Callable:
-    """`fn` run inside flash.tma_loads(): the forward's key and value tiles through tensor descriptors."""
+    """`fn` run inside flash.tma_loads(): the kernels' streamed tiles through tensor descriptors."""
     from lowprec.attention.flash import tma_loads as loads
 
     def call(*args, **kwargs):
@@ -85,7 +85,7 @@ def tma_loads(fn: Callable) -> Callable:
 
 def implementations(device: str, tma: bool = False) -> tuple[dict[str, Callable], dict[str, str]]:
     """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped); `tma`
-    adds our kernel with the forward's tiles through tensor descriptors, Fix off and on."""
+    adds our kernel with its streamed tiles through tensor descriptors, Fix off and on."""
     from lowprec.attention.flash import flash_attention  # triton only when benchmarking
 
     impls: dict[str, Callable] = {
