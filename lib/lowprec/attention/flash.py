@@ -206,6 +206,16 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _tma(*tensors: torch.Tensor) -> bool:
+    """Whether this launch streams the tiles of `tensors` through tensor descriptors: `tma_loads` is on and
+    `_tma_ready` holds; on a GPU it then sets Triton's allocator, for the descriptors' device memory, in this
+    thread's context where none is set (a user's allocator stays)."""
+    on = TMA and _tma_ready(*tensors)
+    if on and not INTERPRET and _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+    return on
+
+
 def _signature(args: tuple) -> tuple:
     """What Triton specialises a launch on, or finer: per tensor its dtype and 16-byte alignment, per int
     (inside tuples too) whether it is 1, a multiple of 16 and within int32; floats not at all. Launches with
@@ -326,9 +336,7 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int,
     stats = (torch.zeros((len(STAT_NAMES), B, H, N), device=q.device, dtype=torch.int32) if with_stats
              else lse.new_empty((0,), dtype=torch.int32))
     sizes = (N, k.shape[2], H, H // k.shape[1])
-    tma = TMA and _tma_ready(k, v)
-    if tma and not INTERPRET and _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_scratch)  # its descriptors need device memory; a user's allocator stays
+    tma = _tma(k, v)
     _launch("fwd", (block_m, block_n), N, B * H, "BLOCK_M", q, k, v, o, lse, stats if with_stats else lse,
             *map(_strides, (q, k, v, o)), *sizes, B * H, scale, tuple(fix), seed, sizes=sizes, D=D,
             BLOCK_D=_block_d(D), CAUSAL=causal, FIX=fix_mode, WITH_STATS=with_stats, P_FP32=p_fp32,
@@ -368,11 +376,8 @@ def _flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     q, k, v, do = (_addressable(t) for t in (q, k, v, do))
     delta = flash_delta(o, do)
     dq, dk, dv = _empty_like(q), _empty_like(k), _empty_like(v)
-    tma = TMA and _tma_ready(q, k, v, do)
-    if tma and not INTERPRET and _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_scratch)
     common = dict(D=D, BLOCK_D=_block_d(D), CAUSAL=causal, IEEE=q.dtype == torch.float32, C_SCORES=c_scores,
-                  TMA=tma)
+                  TMA=_tma(q, k, v, do))
     sizes, blocks = (N, n_k, H, H // H_kv), (block_m, block_n)
     _launch("dkdv", blocks, n_k, B * H_kv, "BLOCK_N", q, k, v, do, lse, delta, dk, dv,
             *map(_strides, (q, k, v, do, dk, dv)), *sizes, B * H_kv, scale, sizes=sizes, GROUPED=H_kv < H,
@@ -554,14 +559,14 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     the bf16 fa2 forward, dK/dV and dQ at every autotune config kept for that head dim (every_config; else
     the first), the same three at FIXED_BLOCKS with _fixed_options (what a call with block sizes launches),
     and (with `variants`) the variants at the first kept config: dK/dV for grouped-query attention
-    (GROUPED), the forward with the Fix (and with its counters), with rounded-weight normalisation (NORM),
-    with its key and value tiles through tensor descriptors (TMA; at every kept config) and in fp32 (sizes,
-    group size included, are runtime arguments). Pointers and strides are taken 16-aligned, as the runtime
-    specialises them. Returns, per build "<kernel> d<D> <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared
-    memory in bytes, registers per thread, spill bytes, its count of ex2.approx instructions in the PTX (all,
-    and the flushing ex2.approx.ftz.f32) and of SASS instructions (`sass`, nvdisasm's listing). Needs compiled
-    (not interpreted) kernels: import this module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs
-    it in a subprocess)."""
+    (GROUPED), the forward with the Fix (and with its counters), with rounded-weight normalisation (NORM) and
+    in fp32 (sizes, group size included, are runtime arguments), and the three with their streamed tiles
+    through tensor descriptors (TMA; at every kept config, the forward with the Fix too). Pointers and
+    strides are taken 16-aligned, as the runtime specialises them. Returns, per build "<kernel> d<D>
+    <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread, spill bytes, its
+    count of ex2.approx instructions in the PTX (all, and the flushing ex2.approx.ftz.f32) and of SASS
+    instructions (`sass`, nvdisasm's listing). Needs compiled (not interpreted) kernels: import this module
+    with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget

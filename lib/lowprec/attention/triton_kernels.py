@@ -56,11 +56,11 @@ def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.cons
 
 
 @triton.jit
-def _kv_tile(ptr, start, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr,
-             CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
-    """`_load` of the key or value tile of `rows` (start, start + 1, ...), or (TMA) the same tile through
-    `ptr`, a tensor descriptor of the head's (n_rows, D) matrix whose block is (len(rows), BLOCK_D): rows
-    past n_rows and columns past D come back as zeros, as `_load` pads them."""
+def _streamed(ptr, start, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr,
+              CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """A tile a kernel streams (keys, values, queries or dO): `_load` of `rows` (start, start + 1, ...), or
+    (TMA) the same tile through `ptr`, a tensor descriptor of the head's (n_rows, D) matrix whose block is
+    (len(rows), BLOCK_D): rows past n_rows and columns past D come back as zeros, as `_load` pads them."""
     if TMA:
         x = ptr.load([start, 0])  # (BLOCK_N, BLOCK_D)
         if TRANSPOSE:
@@ -138,7 +138,7 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     tol = fix[1]  # fix = (beta, tol, min_gap, max_gap)
     # -- scores --
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _kv_tile(K, start_n, offs_n, offs_d, N_K, sk_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
+    kt = _streamed(K, start_n, offs_n, offs_d, N_K, sk_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
     s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, CODES[SCORES], IEEE)
     r = tl.max(s, 1)  # (BLOCK_M,)
     # -- shift (Fix) --
@@ -161,7 +161,7 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     if NORM == 0:  # "exact": l sums the fp32 P
         l_i = _round(l_i * alpha + tl.sum(p, 1), CODES[ROWSUM], seed, bh * 8 + ROWSUM, row_idx)
     # -- weights: P̄ as it enters the dot --
-    v = _kv_tile(V, start_n, offs_n, offs_d, N_K, sv_n, D, False, MASK, TMA)  # (BLOCK_N, BLOCK_D)
+    v = _streamed(V, start_n, offs_n, offs_d, N_K, sv_n, D, False, MASK, TMA)  # (BLOCK_N, BLOCK_D)
     if NATIVE_P:  # the weights rounding is the cast to V's dtype: do it once
         p_dot = p.to(v.dtype)
         p = p_dot.to(tl.float32)
@@ -222,7 +222,7 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
         second = tl.full([BLOCK_M], float("-inf"), tl.float32)  # (BLOCK_M,)
         for start_n in range(0, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            kt = _kv_tile(K, start_n, offs_n, offs_d, N_K, sk[2], D, True, True, TMA)  # (BLOCK_D, BLOCK_N)
+            kt = _streamed(K, start_n, offs_n, offs_d, N_K, sk[2], D, True, True, TMA)  # (BLOCK_D, BLOCK_N)
             s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, True, CAUSAL, CODES[SCORES], IEEE)
             best, second = _top_two(s, best, second)
         ties = (second >= best - fix[1]) & (best > float("-inf"))
@@ -277,8 +277,8 @@ def _dkdv_step(Q, DO, LSE, DELTA, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_
     """One query block's contribution to a key block's dK, dV (computed transposed: keys x queries). Q and DO:
     pointers, or (TMA) tensor descriptors."""
     offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    qt = _kv_tile(Q, start_m, offs_m, offs_d, N_Q, sq_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_M)
-    do = _kv_tile(DO, start_m, offs_m, offs_d, N_Q, sdo_n, D, False, MASK, TMA)  # (BLOCK_M, BLOCK_D)
+    qt = _streamed(Q, start_m, offs_m, offs_d, N_Q, sq_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_M)
+    do = _streamed(DO, start_m, offs_m, offs_d, N_Q, sdo_n, D, False, MASK, TMA)  # (BLOCK_M, BLOCK_D)
     if MASK:
         lse = tl.load(LSE + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
         delta = tl.load(DELTA + offs_m, mask=offs_m < N_Q, other=0.0)  # (BLOCK_M,)
@@ -357,12 +357,12 @@ def _dq_step(q, do, lse, delta, K, V, dq, start_n, offs_m, offs_d, N_K, offset, 
              IEEE: tl.constexpr, C_SCORES: tl.constexpr, TMA: tl.constexpr):
     """One key tile's contribution to a query block's dQ. K and V: pointers, or (TMA) tensor descriptors."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kt = _kv_tile(K, start_n, offs_n, offs_d, N_K, sk_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
+    kt = _streamed(K, start_n, offs_n, offs_d, N_K, sk_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
     # -- scores, P from the saved lse --
     s = _scores(q, kt, offs_m, offs_n, N_K, offset, scale, MASK, CAUSAL, C_SCORES, IEEE)  # (BLOCK_M, BLOCK_N)
     p = _exp_sub(s, lse[:, None], IEEE, IEEE)  # (BLOCK_M, BLOCK_N)
     # -- dS = P (dP - delta), then dQ --
-    vt = _kv_tile(V, start_n, offs_n, offs_d, N_K, sv_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
+    vt = _streamed(V, start_n, offs_n, offs_d, N_K, sv_n, D, True, MASK, TMA)  # (BLOCK_D, BLOCK_N)
     ds = p * (_dot(do, vt, None, IEEE) - delta[:, None])  # (BLOCK_M, BLOCK_N)
     return _dot(ds.to(q.dtype), tl.trans(kt), dq, IEEE)  # (BLOCK_M, BLOCK_D)
 
