@@ -44,9 +44,27 @@ def test_bench_overhead_times_compiled_steps(tmp_path, capsys):
     assert {name: len(ms) for name, ms in record["step"]["compiled_ms"].items()} == dict.fromkeys(compiled, 1)
     assert {f"step_vs_sdpa compiled {impl}" for impl in compiled if impl != "sdpa"} <= set(record["summary"])
     assert set(compiled) <= set(impls)
-    assert "compiled (default)" in capsys.readouterr().out
+    assert "compiled (default)" in capsys.readouterr().out and record["step"]["compiled_errors"] == {}
     assert cli.main(["bench", "overhead", "--smoke", "--compile", "fast"]) == 2
     assert "--compile" in capsys.readouterr().err
+
+
+def test_a_compiled_step_that_fails_is_recorded_and_the_rest_timed(tmp_path, monkeypatch):
+    """--compile: an implementation whose compiled step fails gets its error in the record; the others are
+    still timed."""
+    step = bench_overhead.gpt_step
+
+    def failing(spec: str, *args):  # args: batch, block_size, device, tiny[, compile_mode]
+        if len(args) == 5 and "fix" in spec:
+            raise RuntimeError("graph capture failed")
+        return step(spec, *args)
+
+    monkeypatch.setattr(bench_overhead, "gpt_step", failing)
+    out = tmp_path / "overhead.json"
+    assert cli.main(["bench", "overhead", "--smoke", "--compile", "default", "--out", str(out)]) == 0
+    step_record = json.loads(out.read_text())["step"]
+    assert step_record["compiled_errors"] == {"triton+fix": "RuntimeError: graph capture failed"}
+    assert set(step_record["compiled_ms"]) == {"sdpa", "triton"}
 
 
 def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):

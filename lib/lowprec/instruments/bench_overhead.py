@@ -231,10 +231,16 @@ def run(args: argparse.Namespace) -> int:
              for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
     if args.compile:
-        compiled = {name: gpt_step(IMPLS[name], batch, block_size, device, args.smoke, args.compile)
-                    for name in COMPILED}
-        record["step"]["compile"] = args.compile
-        record["step"]["compiled_ms"] = time_steps(compiled, device, args.steps, args.rounds)
+        compiled, failed = {}, {}
+        for name in COMPILED:  # one step each first: it compiles, and a failure leaves the others timed
+            try:
+                compiled[name] = gpt_step(IMPLS[name], batch, block_size, device, args.smoke, args.compile)
+                compiled[name]()
+            except Exception as exc:
+                compiled.pop(name, None)
+                failed[name] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+        record["step"] |= {"compile": args.compile, "compiled_errors": failed,
+                           "compiled_ms": time_steps(compiled, device, args.steps, args.rounds)}
     record["summary"] = summary(record["calls"], record["step"]["ms"], record["step"].get("compiled_ms"))
     record["seconds"] = round(time.perf_counter() - start, 1)
     if args.out:
@@ -257,5 +263,7 @@ def table(record: dict) -> str:
         for name, ms in step.get(key, {}).items():
             lines.append(f"step{label} {step['config']} N={step['block_size']} B={step['batch']} {name:<13} "
                          f"{' '.join(f'{m:.2f}' for m in ms)} ms")
+    for name, error in step.get("compiled_errors", {}).items():
+        lines.append(f"step compiled ({step['compile']}) {name}: {error}")
     lines.append(f"summary: {record['summary']}")
     return "\n".join(lines)
