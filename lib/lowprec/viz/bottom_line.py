@@ -278,7 +278,7 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"{max(peak[r.name] for r in fp32):.0f}), one seed. With QK-LayerNorm none of {len(normed)} runs ran "
         f"away or spiked ({latex(lrs[0])} to {latex(lrs[-1])}). So two growths show: a high learning rate "
         f"drives the logits up in every placement, bf16 or not; at half the recipe's rate the logits of "
-        f"attention in fp32 stayed flat while both bf16 placements ran away late. In one seed that is a "
+        f"attention in fp32 stayed flat while both bf16 placements ran away. In one seed that is a "
         f"lead, not a rate: that a bf16 rounding point starts a runaway the learning rate alone does not.")
 
 
