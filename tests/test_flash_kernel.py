@@ -853,13 +853,14 @@ def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
     assert all(r["plain_us"] > 0 and "graph_us" not in r and "plain_us_error" not in r for r in rows)
 
 
-def test_bench_attention_times_the_tma_loads_beside_the_rest(tmp_path):
+def test_bench_attention_times_the_tma_loads_beside_the_rest(tmp_path, capsys):
     """`lowprec bench attention --tma`: our kernel with its streamed tiles through tensor descriptors, Fix
     off and on, timed with the rest, and their speed-up over the pointer loads per configuration."""
     from lowprec import cli
 
     out = tmp_path / "bench.json"
     assert cli.main(["bench", "attention", "--smoke", "--tma", "--causal", "true", "--out", str(out)]) == 0
+    assert "descriptors: fwd Fix off" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert {"triton", "triton+fix", "triton-tma", "triton+fix-tma"} <= {r["impl"] for r in record["results"]}
     entry = record["fix_overhead"][0]

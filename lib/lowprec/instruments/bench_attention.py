@@ -363,7 +363,11 @@ def table(record: dict) -> str:
             f"{e[k]:>+8.1%}" if k in e else f"{'-':>8}" for k in ("fwd_fix_overhead", "fwd+bwd_fix_overhead")
         ]
         cells += [f"{e[k]:>8.3f}x" if k in e else f"{'-':>9}" for k in ("fwd_vs_flash", "fwd+bwd_vs_flash")]
-        lines.append(f"{e['seq']:>6} {e['head_dim']:>4} {e['causal']!s:>6}  {' '.join(cells)}")
+        tma = [f"{mode} Fix {switch} {e[key]:.3f}x" for mode in ("fwd", "fwd+bwd")
+               for switch, key in (("off", f"{mode}_tma_speedup"), ("on", f"{mode}_tma_speedup+fix"))
+               if key in e]
+        lines.append(f"{e['seq']:>6} {e['head_dim']:>4} {e['causal']!s:>6}  {' '.join(cells)}"
+                     + (f"   descriptors: {', '.join(tma)}" if tma else ""))
     if "targets" in record:
         lines.append(f"targets (N 4k-16k, d=128): {record['targets']}")
     lines.append(f"device: {record['provenance'].get('device')}; {record.get('seconds')} s")
