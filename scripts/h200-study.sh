@@ -8,8 +8,8 @@
 #                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
 #                                  (the committed sample in place of the corpus: same model and batch), then
 #                                  `lowprec bench overhead PROBE_BENCH` (default --profile) into overhead.json,
-#                                  then PROBE_EXTRA (a command line, e.g. a `lowprec bench attention` whose --out
-#                                  is $WORK/bench-*.json, packed with the probe)
+#                                  then PROBE_EXTRA (a command line, run with WORK set, e.g. a `lowprec bench
+#                                  attention` with --out '$WORK/bench-tma.json': bench-*.json is packed too)
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue
@@ -45,7 +45,7 @@ probe)
       --set data=sample:bytes --out "$3/time-$2.json"
     # shellcheck disable=SC2086
     python3 -m lowprec.cli bench overhead ${PROBE_BENCH:---profile} --out "$3/overhead.json"
-    [ -n "${PROBE_EXTRA:-}" ] && bash -c "$PROBE_EXTRA"
+    [ -n "${PROBE_EXTRA:-}" ] && WORK="$3" bash -c "$PROBE_EXTRA"
   ' probe "$QUEUE" "${ARM:-model-fp32}" "$WORK" > "$WORK/probe.log" 2>&1 < /dev/null &
   echo $! > "$WORK/probe.pid"
   echo "probe started (pid $!)" ;;

@@ -165,33 +165,31 @@ _compiled: dict[tuple, tuple] = {}  # `_direct`'s slot -> (compiled kernel, para
 
 
 @contextlib.contextmanager
-def direct_launch(on: bool = True):
-    """Inside the block, a kernel whose tiles the autotuner has picked is launched through its compiled binary
-    (`_signature`; the default), skipping Triton's per-call Python in JITFunction.run (GPU only;
-    bit-identical), or with `on=False` through JITFunction.run (bench overhead's A/B)."""
-    global DIRECT
-    was, DIRECT = DIRECT, on
+def _setting(name: str, on: bool):
+    """This module's switch `name` (DIRECT, TMA) set to `on` inside the block, restored after it."""
+    was, globals()[name] = globals()[name], on
     try:
         yield
     finally:
-        DIRECT = was
+        globals()[name] = was
+
+
+def direct_launch(on: bool = True) -> contextlib.AbstractContextManager:
+    """Inside the block, a kernel whose tiles the autotuner has picked is launched through its compiled binary
+    (`_signature`; the default), skipping Triton's per-call Python in JITFunction.run (GPU only;
+    bit-identical), or with `on=False` through JITFunction.run (bench overhead's A/B)."""
+    return _setting("DIRECT", on)
 
 
 TMA = False  # the kernels' streamed tiles through tensor descriptors (`tma_loads`; False: pointer loads)
 
 
-@contextlib.contextmanager
-def tma_loads(on: bool = True):
+def tma_loads(on: bool = True) -> contextlib.AbstractContextManager:
     """Inside the block, the kernels load the tiles they stream (the forward and dQ: key and value tiles;
     dK/dV: query and dO tiles) through tensor descriptors (the Hopper's TMA unit on a GPU) where the layout
     allows it (`_tma_ready`), bit-identical to their pointer loads; `on=False`: pointer loads (the
     default)."""
-    global TMA
-    was, TMA = TMA, on
-    try:
-        yield
-    finally:
-        TMA = was
+    return _setting("TMA", on)
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@ sequence lengths, head dims and causal masks; the record's rows, FLOP counts and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import time
@@ -72,12 +73,11 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, mode: s
     return forward * FLOP_FACTOR[mode] / (2 if causal else 1)
 
 
-def tma_loads(fn: Callable) -> Callable:
-    """`fn` run inside flash.tma_loads(): the kernels' streamed tiles through tensor descriptors."""
-    from lowprec.attention.flash import tma_loads as loads
+def inside(context: Callable[[], contextlib.AbstractContextManager], fn: Callable) -> Callable:
+    """`fn`, each call run inside a fresh `context()` (e.g. flash.tma_loads, flash.direct_launch)."""
 
     def call(*args, **kwargs):
-        with loads():
+        with context():
             return fn(*args, **kwargs)
 
     return call
@@ -86,14 +86,14 @@ def tma_loads(fn: Callable) -> Callable:
 def implementations(device: str, tma: bool = False) -> tuple[dict[str, Callable], dict[str, str]]:
     """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped); `tma`
     adds our kernel with its streamed tiles through tensor descriptors, Fix off and on."""
-    from lowprec.attention.flash import flash_attention  # triton only when benchmarking
+    from lowprec.attention.flash import flash_attention, tma_loads  # triton only when benchmarking
 
     impls: dict[str, Callable] = {
         "triton": flash_attention,
         "triton+fix": functools.partial(flash_attention, fix=Fix()),
     }
     if tma:
-        impls |= {f"{name}-tma": tma_loads(fn) for name, fn in impls.items()}
+        impls |= {f"{name}-tma": inside(tma_loads, fn) for name, fn in impls.items()}
     skipped = {}
     x = torch.randn(1, 2, 128, 64, device=device, dtype=torch.bfloat16)
     for backend in ("flash", "cudnn"):
@@ -313,7 +313,7 @@ def fix_overhead(results: list[dict]) -> list[dict]:
                 )
             for name in ("triton", "triton+fix"):  # with --tma: the descriptors' speed-up
                 if name in impls and f"{name}-tma" in impls:
-                    entry[f"{mode}_tma_speedup{name[6:]}"] = round(
+                    entry[f"{mode}_tma_speedup{name.removeprefix('triton')}"] = round(
                         impls[name][f"{mode}_ms"] / impls[f"{name}-tma"][f"{mode}_ms"], 3
                     )
         out.append(entry)

@@ -32,7 +32,7 @@ import torch
 from lowprec.attention import attention
 from lowprec.attention.flash import direct_launch
 from lowprec.configs import get_config
-from lowprec.instruments.bench_attention import calls_of, int_list, loop_us
+from lowprec.instruments.bench_attention import calls_of, inside, int_list, loop_us
 from lowprec.model import GPT
 
 IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton/precision=fa2/fix=2",
@@ -81,14 +81,7 @@ def host_us(fn: Callable[[], object], device: str, calls: int) -> float:
 
 def launched(fn: Callable[[], object], name: str) -> Callable[[], object]:
     """`fn`, inside flash.direct_launch(False) for the THROUGH_JIT implementations."""
-    if name not in THROUGH_JIT:
-        return fn
-
-    def call() -> object:
-        with direct_launch(False):
-            return fn()
-
-    return call
+    return inside(lambda: direct_launch(False), fn) if name in THROUGH_JIT else fn
 
 
 def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list[dict]:
