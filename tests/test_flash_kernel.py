@@ -537,9 +537,10 @@ def test_a_tuned_shape_launches_without_the_autotuner(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled kernels)")
 def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
-    """With `direct_launch` (the default), a picked kernel's later launches call its compiled binary (no
-    JITFunction.run) and give bit-identical outputs and gradients; a new alignment (a view one element in)
-    or a length that is a multiple of 16 goes through Triton again and gets its own binary."""
+    """With `direct_launch` (the default), a picked kernel's later launches (the backward's delta kernel's
+    too) call its compiled binary (no JITFunction.run) and give bit-identical outputs and gradients; a new
+    alignment (a view one element in) or a length that is a multiple of 16 goes through Triton again and gets
+    its own binary."""
     from lowprec.attention import flash
 
     def step(shift: int, n: int) -> list[torch.Tensor]:
@@ -551,7 +552,7 @@ def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
         return [o.detach(), q.grad, k.grad, v.grad]
 
     runs = {"n": 0}
-    for kernel, _ in flash._KERNELS.values():
+    for kernel in (*(kernel for kernel, _ in flash._KERNELS.values()), flash._delta):
         def counted(*args, _run=kernel.run, **kwargs):
             runs["n"] += 1
             return _run(*args, **kwargs)
@@ -632,6 +633,29 @@ def test_direct_keeps_a_binary_per_slot_and_passes_every_parameter(monkeypatch):
     assert [c[0] for c in calls] == ["jit", "binary", "jit", "jit"]
     assert calls[0][1:] == ((1, 1, 1), (x, 32), kwargs)
     assert calls[1][0:2] == ("binary", (2, 1, 1)) and calls[1][2][1:] == (48, 4, 16)
+
+
+def test_the_delta_kernel_launches_directly_and_unused_gradients_stay_none(monkeypatch):
+    """The backward's preprocessing (`flash_delta`) goes through `_direct` like the other kernels when the
+    direct launch is on (a GPU), and the eager backward gets None, not zero tensors, for the
+    non-differentiable lse and counters (no allocation and fill per call)."""
+    from lowprec.attention import flash
+
+    direct, seen = [], []
+    o, do = torch.randn(2, 1, 2, 24, 16).bfloat16()
+    with monkeypatch.context() as patched:
+        patched.setattr(flash, "INTERPRET", False)  # as on a GPU: the direct launch's branch
+        patched.setattr(flash, "_direct", lambda kernel, key, grid, args, kwargs: (
+            direct.append(key), kernel[grid](*args, **kwargs)))
+        delta = flash.flash_delta(o, do)
+    assert direct == [("delta", torch.bfloat16, torch.bfloat16, 16)]
+    assert torch.equal(delta, flash.flash_delta(o, do))
+    formula = flash._backward_formula
+    monkeypatch.setattr(flash, "_backward_formula", lambda ctx, do, dlse, dstats, backward=None: (
+        seen.append((dlse, dstats)), formula(ctx, do, dlse, dstats, backward))[1])
+    q, k, v = (torch.randn(1, 2, 16, 16).bfloat16().requires_grad_() for _ in range(3))
+    flash_attention(q, k, v, block_m=16, block_n=16).sum().backward()
+    assert seen == [(None, None)] and q.grad is not None
 
 
 def test_late_interpreter_switch_is_a_clear_error():

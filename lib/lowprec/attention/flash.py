@@ -248,6 +248,15 @@ def _direct(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], 
         compiled[grid](*args, *(kwargs[name] for name in names))
 
 
+def _run(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], args: tuple, kwargs: dict
+         ) -> None:
+    """kernel[grid](*args, **kwargs), through `_direct` (under `key`) when `direct_launch` is on a GPU."""
+    if DIRECT and not INTERPRET:
+        _direct(kernel, key, grid, args, kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
 def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *args, sizes: tuple[int, ...],
             **constexprs) -> None:
     """Launch kernel `name` over the grid (`rows`-sized blocks, B*H folded over y and z: the blocks of one
@@ -276,10 +285,8 @@ def _launch(name: str, blocks: tuple[int, int], n: int, bh: int, rows: str, *arg
         if kwargs is None:
             tuned[grid](*args, **constexprs)
             _picks[key] = {**constexprs, **tuned.best_config.all_kwargs()}
-        elif DIRECT and not INTERPRET:
-            _direct(kernel, key, (_cdiv(n, kwargs[rows]), y, z), args, kwargs)
         else:
-            kernel[grid](*args, **kwargs)
+            _run(kernel, key, (_cdiv(n, kwargs[rows]), y, z), args, kwargs)
         return
     try:
         kernel[grid](*args, **constexprs, BLOCK_M=blocks[0], BLOCK_N=blocks[1], **options)
@@ -359,8 +366,9 @@ def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     delta = torch.empty((B, H, N), device=o.device, dtype=torch.float32)
     if B * H == 0:
         return delta
-    _delta[(_cdiv(N, 64), *_fold(B * H))](o, do, delta, _strides(o), _strides(do), N, H, B * H, D=D,
-                                                 BLOCK_D=_block_d(D), BLOCK_M=64)
+    _run(_delta, ("delta", o.dtype, do.dtype, D), (_cdiv(N, 64), *_fold(B * H)),
+         (o, do, delta, _strides(o), _strides(do), N, H, B * H),
+         {"D": D, "BLOCK_D": _block_d(D), "BLOCK_M": 64})
     return delta
 
 
@@ -419,6 +427,7 @@ class _EagerFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, seed, with_stats, options):
+        ctx.set_materialize_grads(False)  # lse's and the counters' gradients stay None, not zeros
         inputs = (q, k, v, seed, with_stats, *options)
         output = _flash_forward(*inputs)
         _setup_context(ctx, inputs, output)
