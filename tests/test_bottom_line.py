@@ -227,6 +227,9 @@ def test_lr_finding_against_the_folders() -> None:
     assert sorted(stopped) == ["fa2-lr1e-3-s1", "paper64-lr1e-3-s2"]
     assert "4 of 4 over two seeds" in text and f"{len(stopped)} of them then reached the stop rule" in text
     assert "4 of 4 against 0 of 2 gives p = 0.067" in text  # 1/15: the one table as extreme
+    recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2)]
+    assert all(step is None or step > 4000 for step in recipe) and "fa2-lr4e-3-s1" not in went["4e-3"]
+    assert "For `fa2` the rate ran the other way" in text
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
     assert text in bottom_line()

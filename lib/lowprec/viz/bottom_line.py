@@ -256,10 +256,15 @@ def lr_finding(results: Path = RESULTS) -> str:
     claim(all(peak[r.name] > 200 and last_logit(records[r.name]) < peak[r.name] / 2 for r in twice),
           "at 4e-3 every run's largest logit climbed past 200 and fell back below half its peak")
     bf16, fp32 = [r for r in half if r.arm != "attn-fp32"], [r for r in half if r.arm == "attn-fp32"]
-    claim(len({r.seed for r in half}) == 2 and len(bf16) == 4 and len(fp32) == 2
+    seeds = {r.seed for r in half}
+    claim(len(seeds) == 2 and len(bf16) == 4 and len(fp32) == 2
           and all(r.runaway is not None for r in bf16) and not any(r.runaway for r in fp32)
           and max(peak[r.name] for r in fp32) < 100,
           "at 1e-3 (two seeds) every fa2 and paper64 run ran away, attn-fp32 stayed below 100")
+    recipe_fa2 = [r for r in study_groups("survival", results).get("fa2", []) if r.seed in seeds]
+    claim(len(recipe_fa2) == 2 and not any(r.runaway is not None and r.runaway <= 4000 for r in recipe_fa2)
+          and not any(r.runaway for r in twice if r.arm == "fa2"),
+          "fa2 by step 4,000 of the same seeds: no runaway at the recipe's rate or at twice it")
     stopped = [r for r in half if r.explosion is not None]
     claim(0 < len(stopped) < len(bf16) and all(r in bf16 for r in stopped),
           "at 1e-3 some bf16 runs, not all, and no fp32 run reached the stop rule")
@@ -282,7 +287,9 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"most {max(peak[r.name] for r in fp32):.0f}). With QK-LayerNorm none of {len(normed)} runs ran "
         f"away or spiked ({latex(lrs[0])} to {latex(lrs[-1])}). So two growths show: a high learning rate "
         f"drives the logits up in every placement, bf16 or not; at half the recipe's rate the logits of "
-        f"attention in fp32 stayed flat while every bf16 run ran away. Fisher's exact test of {len(bf16)} of "
+        f"attention in fp32 stayed flat while every bf16 run ran away. For `fa2` the rate ran the other way: "
+        f"in the same two seeds it had no runaway by step 4,000 at the recipe's rate (the survival runs) nor "
+        f"at twice it, and ran away in every run at half of it. Fisher's exact test of {len(bf16)} of "
         f"{len(bf16)} against 0 of {len(fp32)} gives p = {fisher_p(len(bf16), len(bf16), 0, len(fp32)):.3f}: "
         f"at two seeds a lead, not yet a rate, that a bf16 rounding point starts a runaway the learning rate "
         f"alone does not.")
