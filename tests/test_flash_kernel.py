@@ -359,6 +359,9 @@ def test_kernels_compile_for_h200():
     first = next(name for name in builds if name.startswith("forward d128"))
     plain, fixed_fwd = builds[first]["sass"], builds[first.replace("forward", "forward+fix")]["sass"]
     assert plain < fixed_fwd < builds[first.replace("forward", "forward+fix+stats")]["sass"], "the Fix's work"
+    ops, fix_ops = builds[first]["sass_ops"], builds[first.replace("forward", "forward+fix")]["sass_ops"]
+    assert sum(ops.values()) == plain and ops["MUFU.EX2"] == fix_ops["MUFU.EX2"], "one count, the same exps"
+    assert fix_ops["FADD"] > ops["FADD"] and fix_ops.get("FSET.BF.GE.AND", 0) > ops.get("FSET.BF.GE.AND", 0)
     fixed = {f"{kernel} fixed d{d} 64x64x{options}" for d, options in ((128, "4x3"), (256, "8x2"))
              for kernel in ("forward", "dkdv", "dq")}
     assert {name for name in builds if "fixed" in name} == fixed

@@ -518,22 +518,27 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 # ---------------------------------------------------------------------------------- ahead-of-time compile
 
 
-def _sass_count(compiled) -> int:
-    """Instructions in the SASS listing of a build's cubin (`compiled.asm["sass"]`, lines "<control>\t
-    [@predicate] OPCODE operands"); kept beside Triton's own compile cache (keyed by the cubin and the
-    disassembler, cuobjdump: about 0.7 s a build), as `_ptxas_usage` keeps its numbers."""
+def _sass_ops(compiled) -> dict[str, int]:
+    """Instructions per opcode (FADD, FSET.BF.GE.AND, ...) in the SASS listing of a build's cubin
+    (`compiled.asm["sass"]`, lines "<control>\t[@predicate] OPCODE operands"); kept beside Triton's own
+    compile cache (keyed by the cubin and the disassembler, cuobjdump: about 0.7 s a build), as
+    `_ptxas_usage` keeps its numbers."""
     from triton import knobs
     from triton.runtime.cache import get_cache_manager
 
     cubin = compiled.asm["cubin"]
-    key = hashlib.sha256(f"{knobs.nvidia.cuobjdump.path} sass\n".encode() + cubin).hexdigest()
+    key = hashlib.sha256(f"{knobs.nvidia.cuobjdump.path} sass ops\n".encode() + cubin).hexdigest()
     cache = get_cache_manager(key)
     if (cached := cache.get_file("sass.json")) is not None:
-        return json.loads(Path(cached).read_text())["instructions"]
-    sass = compiled.asm["sass"]
-    count = sum(1 for line in sass.splitlines() if len(parts := line.split("\t")) >= 2 and parts[1].strip())
-    cache.put(json.dumps({"instructions": count}), "sass.json", binary=False)
-    return count
+        return json.loads(Path(cached).read_text())
+    ops: dict[str, int] = {}
+    for line in compiled.asm["sass"].splitlines():
+        words = line.split("\t")[1].split() if line.count("\t") else []
+        if words:
+            op = (words[1] if words[0].startswith("@") else words[0]).rstrip(";")
+            ops[op] = ops.get(op, 0) + 1
+    cache.put(json.dumps(ops), "sass.json", binary=False)
+    return ops
 
 
 def _ptxas_usage(ptx: str, arch: int) -> dict[str, int]:
@@ -572,8 +577,9 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
     strides are taken 16-aligned, as the runtime specialises them. Returns, per build "<kernel> d<D>
     <BLOCK_M>x<BLOCK_N>x<warps>x<stages>", its shared memory in bytes, registers per thread, spill bytes, its
     count of ex2.approx instructions in the PTX (all, and the flushing ex2.approx.ftz.f32) and of SASS
-    instructions (`sass`, nvdisasm's listing). Needs compiled (not interpreted) kernels: import this module
-    with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a subprocess)."""
+    instructions (`sass`, nvdisasm's listing; `sass_ops`, per opcode). Needs compiled (not interpreted)
+    kernels: import this module with TRITON_INTERPRET=0 (tests/test_flash_kernel.py runs it in a
+    subprocess)."""
     if INTERPRET:
         raise ValueError("compile_for_gpu needs TRITON_INTERPRET=0 when lowprec is imported")
     from triton.backends.compiler import GPUTarget
@@ -635,5 +641,5 @@ def compile_for_gpu(arch: int = 90, head_dims: tuple[int, ...] = (64, 128, 256),
                 ptx = compiled.asm["ptx"]
                 usage[key] = {"shared": compiled.metadata.shared, **_ptxas_usage(ptx, arch),
                               "ex2": ptx.count("ex2.approx."), "ex2_ftz": ptx.count("ex2.approx.ftz.f32"),
-                              "sass": _sass_count(compiled)}
+                              "sass": sum((ops := _sass_ops(compiled)).values()), "sass_ops": ops}
     return usage
