@@ -596,6 +596,9 @@ def test_signature_is_at_least_as_fine_as_tritons_specialisation():
     assert sig((x,)) != sig((x.float(),)), "dtype"
     assert len({sig((n,)) for n in (1, 16, 17, 2**31)}) == 4, "== 1, % 16 == 0, neither, beyond int32"
     assert sig(((3, 16),)) != sig(((3, 17),)), "inside tuples"
+    assert sig((x, 16, (2, 0.5))) != sig((x, 16.0, (2.0, 0.5))), "an int and a float of one value"
+    with pytest.raises(TypeError, match="tensor inside a tuple"):
+        sig(((x, 1),))
     with flash.direct_launch(False):
         assert not flash.DIRECT
     assert flash.DIRECT

@@ -217,13 +217,28 @@ def _tma(*tensors: torch.Tensor) -> bool:
 def _signature(args: tuple) -> tuple:
     """What Triton specialises a launch on, or finer: per tensor its dtype and 16-byte alignment, per int
     (inside tuples too) whether it is 1, a multiple of 16 and within int32; floats not at all. Launches with
-    one signature share one compiled binary."""
-    out = []
+    one signature share one compiled binary. The other arguments' part is kept per distinct values and
+    types (`_classes`), so a launch like an earlier one pays for its tensors only."""
+    tensors, rest, types = [], [], []
     for arg in args:
+        if isinstance(arg, torch.Tensor):
+            tensors.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        else:
+            rest.append(arg)
+            types.append(tuple(map(type, arg)) if type(arg) is tuple else type(arg))  # 1 == 1.0: keep both
+    return (*tensors, _classes(tuple(rest), tuple(types)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _classes(values: tuple, types: tuple) -> tuple:
+    """`_signature`'s part for the arguments that are not tensors (ints and floats, or tuples of them; their
+    `types` only key the cache)."""
+    out = []
+    for arg in values:
         for item in arg if isinstance(arg, tuple) else (arg,):
             if isinstance(item, torch.Tensor):
-                out.append((item.dtype, item.data_ptr() % 16 == 0))
-            elif isinstance(item, int):
+                raise TypeError("a kernel argument holds a tensor inside a tuple: pass it on its own")
+            if isinstance(item, int):
                 out.append((item == 1, item % 16 == 0, -INT32_MAX - 1 <= item <= INT32_MAX))
             else:
                 out.append(type(item))
