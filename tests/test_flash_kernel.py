@@ -18,7 +18,7 @@ from lowprec.attention.fix import STAT_NAMES
 from lowprec.attention.flash import INTERPRET, flash_attention, flash_delta
 from lowprec.attention.inputs import tied_qkv
 from lowprec.attention.precision import parse_format
-from lowprec.attention.triton_rounding import NEAREST, _round
+from lowprec.attention.triton_rounding import NEAREST, _round, _to_bf16, _widen_bf16
 from lowprec.formats import round_to
 
 triton = pytest.importorskip("triton")
@@ -309,6 +309,33 @@ def test_stochastic_bits_are_uniform():
 def _round_probe(X, Y, seed, CODE: tl.constexpr = 4 | 8 << 4 | 3 << 8):
     i = tl.arange(0, 4096)
     tl.store(Y + i, _round(tl.load(X + i), CODE, seed, 1, i))
+
+
+@triton.jit
+def _pairs_probe(X, Y, Z):
+    """Y = `_to_bf16`(X), Z = `_widen_bf16`(Y), on a (64, 64) tile as the forward's P̄."""
+    i = tl.arange(0, 64)
+    x = tl.load(X + i[:, None] * 64 + i[None, :])
+    y = _to_bf16(x)
+    tl.store(Y + i[:, None] * 64 + i[None, :], y)
+    tl.store(Z + i[:, None] * 64 + i[None, :], _widen_bf16(y))
+
+
+def test_pairwise_bf16_cast_and_widening_are_the_plain_ones():
+    """`consistent`'s cast of P̄ two at a time (cvt.rn.bf16x2.f32 on a GPU) and its widening from the shared
+    register (a shift and a mask) give torch's round-to-nearest-even cast and its exact widening, bit for bit,
+    each element in its place (specials, halfway cases and subnormals included; under the interpreter the
+    patch's casts: its stock widening gets subnormals wrong)."""
+    gen = torch.Generator().manual_seed(3)
+    scale = torch.exp2(torch.randint(-130, 100, (64, 64), generator=gen).float())
+    x = torch.randn(64, 64, generator=gen) * scale
+    specials = [0.0, -0.0, float("inf"), -float("inf"), 1 + 2.0**-8, 1 + 3 * 2.0**-8, 2.0**-133, 3.4e38]
+    x.view(-1)[: len(specials)] = torch.tensor(specials)
+    y = torch.empty(64, 64, dtype=torch.bfloat16, device=DEVICE)
+    z = torch.empty(64, 64, device=DEVICE)
+    _pairs_probe[(1,)](x.to(DEVICE), y, z)
+    assert torch.equal(y.cpu().view(torch.int16), x.bfloat16().view(torch.int16))
+    assert torch.equal(z.cpu().view(torch.int32), x.bfloat16().float().view(torch.int32))
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered")  # inf inputs overflow n * 2^q, as intended

@@ -1,10 +1,10 @@
 """Make Triton's CPU interpreter (TRITON_INTERPRET=1) compute what the emulator computes, bit for bit.
 
 `apply()` patches Triton 3.6.0's interpreter builder: dots, exp, exp2, log, log2 and fp32 sums computed in
-fp64 and rounded once to fp32, fp32 -> bf16 casts rounded to nearest even (the interpreter truncates), and
-tensor `__index__` for numpy >= 2.3. It checks that the internals it replaces are there; `active()` says
-whether it is applied; triton_mode.py applies it under TRITON_INTERPRET=1 only. Why each replacement: the
-book's appendix "Methods and record formats".
+fp64 and rounded once to fp32, fp32 -> bf16 casts rounded to nearest even (the interpreter truncates), bf16 ->
+fp32 casts exact (it gets subnormals wrong), and tensor `__index__` for numpy >= 2.3. It checks that the
+internals it replaces are there; `active()` says whether it is applied; triton_mode.py applies it under
+TRITON_INTERPRET=1 only. Why each replacement: the book's appendix "Methods and record formats".
 
 It also spares the interpreter work that changes nothing (`_fast_patch_lang`): the stock interpreter patches
 triton.language again (every builtin wrapped anew, found by `inspect.getmembers`) at every call of a
@@ -80,6 +80,8 @@ def apply() -> None:
     def cast(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return handle(_f32_to_bf16_rne(src.data), tl.bfloat16)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:  # exact, subnormals too
+            return handle(_bf16_to_f32(src.data), tl.float32)
         return cast_impl(self, src, dst_type)
 
     def in_fp64(fn, original):

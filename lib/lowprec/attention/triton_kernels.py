@@ -28,6 +28,8 @@ from lowprec.attention.triton_rounding import (
     _fix_shift,
     _log,
     _round,
+    _to_bf16,
+    _widen_bf16,
 )
 
 # ------------------------------------------------------------------------------------- loads and scores
@@ -163,8 +165,12 @@ def _fwd_step(q, K, V, start_n, offs_m, offs_d, N_K, offset, sk_n, sv_n, scale, 
     # -- weights: P̄ as it enters the dot --
     v = _streamed(V, start_n, offs_n, offs_d, N_K, sv_n, D, False, MASK, TMA)  # (BLOCK_N, BLOCK_D)
     if NATIVE_P:  # the weights rounding is the cast to V's dtype: do it once
-        p_dot = p.to(v.dtype)
-        p = p_dot.to(tl.float32)
+        if (NORM == 1) and (v.dtype == tl.bfloat16):  # P̄ widened again for l: both in pairs
+            p_dot = _to_bf16(p)
+            p = _widen_bf16(p_dot)
+        else:
+            p_dot = p.to(v.dtype)
+            p = p_dot.to(tl.float32)
     else:
         p = _round(p, CODES[WEIGHTS], seed, bh * 8 + WEIGHTS, offs_m[:, None] * N_K + offs_n[None, :])
         if P_FP32:

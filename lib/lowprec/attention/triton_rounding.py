@@ -219,6 +219,30 @@ def _add(x, y):
 
 
 @triton.jit
+def _to_bf16(x):
+    """x (fp32) rounded to nearest bf16: on a GPU two at a time (cvt.rn.bf16x2.f32, one instruction a pair,
+    also where the result is widened again), else a plain cast."""
+    if GPU:
+        y = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def _widen_bf16(y):
+    """y (bf16) as fp32: on a GPU two at a time from their shared register (a shift and a mask), else a
+    plain cast."""
+    if GPU:
+        x = tl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [y],
+                                      dtype=tl.float32, is_pure=True, pack=2)
+    else:
+        x = y.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _ieee_dot(a, b):
     """IEEE fp32 dot on a GPU with short FMA chains. Triton lowers it to one chain of K FMAs per output
     element (no tensor cores), each rounding at the running sum's magnitude; so K is cut into up to four
