@@ -75,7 +75,9 @@ def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):
 def test_bench_hf_smoke_trains_each_implementation(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "hf.json"
-    assert cli.main(["bench", "hf", "--smoke", "--out", str(out)]) == 0
+    assert cli.main(["bench", "hf", "--smoke", "--profile", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
+    assert set(record["profile"]) == set(record["ms"]) and all(rows for rows in record["profile"].values())
+    assert any("aten::mm" in r["name"] or "aten::addmm" in r["name"] for r in record["profile"]["sdpa"])
     assert set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"} and record["parameters"] > 0
     assert set(record["vs_sdpa"]) == {"lowprec", "lowprec+fix"} and record["provenance"]["transformers"]

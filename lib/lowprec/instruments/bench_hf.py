@@ -3,6 +3,7 @@ kernel through the plug-in (lowprec.hf), Fix off and on.
 
     lowprec bench hf --out results/attention/hf-llama.json      # one H200
     lowprec bench hf --smoke                                    # CPU (Triton interpreter), seconds
+    lowprec bench hf --profile ...                              # + each implementation's ops in one step
 
 Eager training steps (bf16 autocast, AdamW, random tokens) of one randomly initialised model per attention
 implementation, in interleaved rounds. The model (`LLAMA`: grouped-query attention, RoPE) and the record's
@@ -35,6 +36,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation and round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per implementation")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (Triton interpreter)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step of each implementation (torch.profiler: the ops that "
+                             "take the most device time, or host time on a CPU)")
 
 
 def llama_step(attn: str, config: dict, batch: int, seq: int, device: str) -> tuple[Callable[[], None], int]:
@@ -57,6 +61,23 @@ def llama_step(attn: str, config: dict, batch: int, seq: int, device: str) -> tu
         optimizer.zero_grad(set_to_none=True)
 
     return step, sum(p.numel() for p in model.parameters())
+
+
+def profile_step(step: Callable[[], None], device: str, top: int = 12) -> list[dict]:
+    """The `top` ops of one training step (after one untimed step) by their own device time (host time on a
+    CPU), from torch.profiler: name, calls, own host and device microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:top]
+    return [{"name": e.key, "calls": e.count, "self_host_us": round(e.self_cpu_time_total, 1),
+             "self_device_us": round(e.self_device_time_total, 1)} for e in rows]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     median = {name: sorted(ms)[len(ms) // 2] for name, ms in record["ms"].items()}
     record["tokens_per_s"] = {name: round(args.batch * args.seq / (ms * 1e-3)) for name, ms in median.items()}
     record["vs_sdpa"] = {name: round(median["sdpa"] / ms, 3) for name, ms in median.items() if name != "sdpa"}
+    if args.profile:
+        record["profile"] = {name: profile_step(step, device) for name, step in steps.items()}
     record["seconds"] = round(time.perf_counter() - start, 1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -93,4 +116,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name:<12} {record['tokens_per_s'][name]:>10,} tok/s  step {median[name]:8.2f} ms  "
               f"({' '.join(f'{m:.2f}' for m in ms)})")
     print(f"throughput over SDPA's: {record['vs_sdpa']}")
+    own = "self_device_us" if device == "cuda" else "self_host_us"
+    for name, rows in record.get("profile", {}).items():
+        print(f"{name}: one step's ops by own {own.split('_')[1]} time (us)")
+        for r in rows:
+            print(f"  {r[own]:>10,.0f}  x{r['calls']:<5} {r['name'][:90]}")
     return 0
