@@ -29,6 +29,9 @@ def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
     functions = [row["function"] for row in profile["fwd"]]
     assert any(f.startswith(("lowprec/", "torch/", "triton/")) for f in functions), functions
     assert all(row["own_us"] >= 0 and row["cum_us"] >= row["own_us"] for row in profile["fwd"])
+    ops = profile["ops"]  # torch.profiler's view of one fwd+bwd call, ours beside SDPA's
+    assert set(ops) == {"triton", "sdpa"} and all(rows for rows in ops.values())
+    assert any(r["name"] == "_EagerFlashBackward" for r in ops["triton"]), [r["name"] for r in ops["triton"]]
 
 
 def test_bench_overhead_times_compiled_steps(tmp_path, capsys):

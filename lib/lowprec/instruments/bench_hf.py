@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from lowprec import hf
-from lowprec.instruments.bench_overhead import time_steps
+from lowprec.instruments.bench_overhead import op_profile, time_steps
 
 LLAMA = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096)
@@ -63,23 +63,6 @@ def llama_step(attn: str, config: dict, batch: int, seq: int, device: str) -> tu
     return step, sum(p.numel() for p in model.parameters())
 
 
-def profile_step(step: Callable[[], None], device: str, top: int = 12) -> list[dict]:
-    """The `top` ops of one training step (after one untimed step) by their own device time (host time on a
-    CPU), from torch.profiler: name, calls, own host and device microseconds."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:top]
-    return [{"name": e.key, "calls": e.count, "self_host_us": round(e.self_cpu_time_total, 1),
-             "self_device_us": round(e.self_device_time_total, 1)} for e in rows]
-
-
 def run(args: argparse.Namespace) -> int:
     from lowprec.runs import provenance, write_json
 
@@ -107,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     record["tokens_per_s"] = {name: round(args.batch * args.seq / (ms * 1e-3)) for name, ms in median.items()}
     record["vs_sdpa"] = {name: round(median["sdpa"] / ms, 3) for name, ms in median.items() if name != "sdpa"}
     if args.profile:
-        record["profile"] = {name: profile_step(step, device) for name, step in steps.items()}
+        record["profile"] = {name: op_profile(step, device, by="device" if device == "cuda" else "host")
+                             for name, step in steps.items()}
     record["seconds"] = round(time.perf_counter() - start, 1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of steps per backend")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile the host path (cProfile) of each call at the first shape")
+                        help="also profile the host path (cProfile) of each call at the first shape, and "
+                             "torch's ops of one fwd+bwd call, ours and SDPA's (torch.profiler)")
     parser.add_argument("--compile", choices=COMPILE_MODES, default=None, metavar="MODE",
                         help="also time the GPT steps under torch.compile(mode=MODE): "
                              + ", ".join(COMPILE_MODES))
@@ -105,6 +106,27 @@ def call_rows(batch: int, heads: int, seq: int, device: str, calls: int) -> list
                 row["error"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
             rows.append(row)
     return rows
+
+
+def op_profile(fn: Callable[[], object], device: str, calls: int = 1, top: int = 12, by: str = "host"
+               ) -> list[dict]:
+    """The `top` torch ops (autograd nodes included) of `calls` calls of `fn` (after one untimed call) by own
+    `by` ("host" or "device") time, from torch.profiler, which sees every thread (the autograd engine runs a
+    GPU backward on its own): name, calls, own host and device microseconds, each per call of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    key = {"host": "self_cpu_time_total", "device": "self_device_time_total"}[by]
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))[:top]
+    return [{"name": e.key, "calls": round(e.count / calls, 2),
+             "self_host_us": round(e.self_cpu_time_total / calls, 1),
+             "self_device_us": round(e.self_device_time_total / calls, 1)} for e in rows]
 
 
 def host_profile(fn: Callable[[], object], calls: int, top: int = 20) -> list[dict]:
@@ -220,6 +242,10 @@ def run(args: argparse.Namespace) -> int:
         record["profile"] = {"impl": "triton", "shape": shape, "calls": calls,
                              **{mode: host_profile(fns[mode], calls)
                                 for mode in ("fwd", "fwd+bwd")}}
+        record["profile"]["ops"] = {}  # torch's view of one fwd+bwd call, ours and SDPA's side by side
+        for name in ("triton", "sdpa"):
+            fns, _ = calls_of(functools.partial(attention, backend=IMPLS[name]), *shape, 64, True, device)
+            record["profile"]["ops"][name] = op_profile(fns["fwd+bwd"], device, calls)
     steps = {name: launched(gpt_step(spec, batch, block_size, device, args.smoke), name)
              for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
@@ -258,5 +284,9 @@ def table(record: dict) -> str:
                          f"{' '.join(f'{m:.2f}' for m in ms)} ms")
     for name, error in step.get("compiled_errors", {}).items():
         lines.append(f"step compiled ({step['compile']}) {name}: {error}")
+    for name, rows in record.get("profile", {}).get("ops", {}).items():
+        lines.append(f"one fwd+bwd call, {name}: torch ops by own host time (us per call; device us)")
+        lines += [f"  {r['self_host_us']:>8,.1f} {r['self_device_us']:>8,.1f}  x{r['calls']:<5} "
+                  f"{r['name'][:80]}" for r in rows]
     lines.append(f"summary: {record['summary']}")
     return "\n".join(lines)
