@@ -17,7 +17,9 @@
 #                                  (QUEUE may name several, the first for at most FIRST minutes), SLOTS runs at
 #                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone); after
 #                                  a probe (waited for, at most PROBE_WAIT_S=120 s) ARM's estimate is its
-#                                  projected time + 60 s
+#                                  projected time + 60 s; END_AT=<epoch seconds> in place of MINUTES: the
+#                                  whole minutes from the probe's end to then (the device budget's end, less
+#                                  the time the last pack needs)
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds (or until 580 s after CALL_START, the
 #                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
@@ -63,6 +65,10 @@ go)
     [ -e "$WORK/time-$arm.json" ] && estimate=(--estimate "$arm=$(python3 -c \
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
     echo "probe: ${estimate[*]:-no estimate}"
+  fi
+  if [ -n "${END_AT:-}" ]; then
+    MINUTES=$(( (END_AT - $(date +%s)) / 60 ))
+    echo "minutes to END_AT: $MINUTES"
   fi
   # shellcheck disable=SC2016
   setsid nohup bash -c '

@@ -72,3 +72,20 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     assert (kept / "summary.json").read_text() == (packed / "summary.json").read_text()
     assert not (into / "grid" / "fa2-lr8e-3-s1").exists() and "still running when packed" in take.stdout
     assert list((into / "grid").glob("study-*.json")), "the study's log comes along"
+
+
+def test_go_counts_its_minutes_from_end_at(tmp_path) -> None:
+    """END_AT (epoch seconds) in place of MINUTES: the go's minutes are counted once the probe has ended."""
+    first = queue(tmp_path / "survival", [{"arm": "model-fp32", "seed": 1}], {"model-fp32": 1e6})
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    env = {**os.environ, "WORK": str(work), "OUT": str(out), "QUEUE": str(first),
+           "PYTHONPATH": str(ROOT / "lib"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
+    go = subprocess.run(script, env={**env, "PHASE": "go", "END_AT": str(int(time.time()) + 150)}, cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert go.returncode == 0 and "minutes to END_AT: 2" in go.stdout, go.stdout + go.stderr
+    wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "60"}, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert wait.returncode == 0 and "study survival: 1 minutes" in (work / "go.log").read_text()
