@@ -82,6 +82,27 @@ def test_a_masked_call_is_refused_or_runs_through_sdpa_when_asked(model):
         assert torch.equal(model(ids, attention_mask=torch.ones_like(ids)).logits, model(ids).logits)
 
 
+def test_a_compiled_model_runs_the_kernel_without_a_mask(model):
+    """Under torch.compile (aot_eager on the CPU) transformers' own mask function masks every call; the
+    plug-in's (`causal_or_sdpa_mask`) gives none for plain causal attention, so the compiled model runs our
+    kernel and gives the eager model's logits. A padding mask and sliding windows still get a mask."""
+    ids = tokens()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=0, atol=0)
+    torch._dynamo.reset()
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+    plain = dict(batch_size=1, q_length=4, kv_length=4)
+    assert hf.causal_or_sdpa_mask(**plain, mask_function=causal_mask_function) is None
+    padded = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)
+    windowed = and_masks(causal_mask_function, sliding_window_overlay(2))
+    assert hf.causal_or_sdpa_mask(**plain, attention_mask=padded, allow_is_causal_skip=False) is not None
+    assert hf.causal_or_sdpa_mask(**plain, mask_function=windowed, local_size=2, allow_is_causal_skip=False
+                                  ) is not None
+
+
 def test_telemetry_counts_each_layers_signals(model, monkeypatch):
     """Per layer and head: the kernel's counters and the scores' signals, which agree where they count the
     same thing, and the first layer's max logit against a direct computation from the q and k the kernel

@@ -75,6 +75,16 @@ def test_bench_overhead_refuses_no_gpu_without_smoke(capsys):
     assert "--smoke" in capsys.readouterr().err
 
 
+def test_bench_hf_compiled_smoke(tmp_path):
+    """--compile: the models under torch.compile (aot_eager on the CPU), our kernel through the plug-in's
+    mask function (no mask for a causal call while compiling), each step timed."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    assert cli.main(["bench", "hf", "--smoke", "--compile", "default", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["args"]["compile"] == "default" and set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"}
+
+
 def test_bench_hf_smoke_trains_each_implementation(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "hf.json"

@@ -9,10 +9,11 @@
 
 The model computes q, k and v (RoPE applied, k and v with their own heads: grouped-query attention reaches the
 kernel as it is); a call without a mask runs causal attention (or full attention where the model asks for
-it, and for a single query), with the model's scale. A padding, packing or other mask (under torch.compile
-transformers masks every call), dropout, soft-capping, attention sinks and position biases are refused with
-a ValueError, or a masked call runs through transformers' SDPA where `masked="sdpa"`. Importing this module
-does not import transformers.
+it, and for a single query), with the model's scale. The plug-in's mask function (`causal_or_sdpa_mask`)
+gives no mask for plain causal attention without a padding mask, under torch.compile too. A padding, packing
+or other mask, dropout, soft-capping, attention sinks and position biases are refused with a ValueError, or a
+masked call runs through transformers' SDPA where `masked="sdpa"`. Importing this module does not import
+transformers.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class Plugin:
             if self.fallback is None:
                 raise ValueError(
                     f"attention {self.name!r} runs causal attention without a mask, but this call has a mask "
-                    f"of shape {tuple(attention_mask.shape)} (padding, packed sequences or another pattern; "
-                    "under torch.compile transformers gives every call one): run the model eagerly on "
+                    f"of shape {tuple(attention_mask.shape)} (padding, packed sequences, a sliding window or "
+                    "another pattern; under torch.compile any attention_mask, even of ones): pass none on "
                     f"unpadded batches without position_ids resets, or register({self.name!r}, ..., "
                     "masked='sdpa') to run masked calls through SDPA")
             return self.fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -91,7 +92,7 @@ def register(name: str = "lowprec", spec: AttentionSpec | str = "triton", masked
     "sdpa" (it runs through transformers' SDPA). Registering a name again replaces its plug-in."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -102,9 +103,27 @@ def register(name: str = "lowprec", spec: AttentionSpec | str = "triton", masked
     fallback = sdpa_attention_forward if masked == "sdpa" else None
     plugin = Plugin(name, AttentionSpec.parse(spec), masked, fallback)
     AttentionInterface.register(name, plugin)
-    AttentionMaskInterface.register(name, sdpa_mask)  # None where no key is masked: a causal call
+    AttentionMaskInterface.register(name, causal_or_sdpa_mask)
     PLUGINS[name] = plugin
     return plugin
+
+
+def causal_or_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                        mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                        local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
+    """The plug-ins' mask function for transformers: None (the kernel's own causal mask) for a plain causal
+    call without a padding mask, decided from the call's arguments alone (transformers' `sdpa_mask` looks at
+    the padding mask's values, and under torch.compile gives every call a mask); any other call
+    (padding, packed sequences, sliding windows, a cache whose keys do not line up) gets `sdpa_mask`'s."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
+    lined_up = q_length == 1 or kv_length == q_length or q_offset == 0  # the kernel's (sliced) causal rows
+    if (allow_is_causal_skip and attention_mask is None and mask_function is causal_mask_function
+            and local_size is None and lined_up):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                     local_size, allow_is_causal_skip, **kwargs)
 
 
 def score_signals(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None,

@@ -4,10 +4,11 @@ kernel through the plug-in (lowprec.hf), Fix off and on.
     lowprec bench hf --out results/attention/hf-llama.json      # one H200
     lowprec bench hf --smoke                                    # CPU (Triton interpreter), seconds
     lowprec bench hf --profile ...                              # + each implementation's ops in one step
+    lowprec bench hf --compile max-autotune-no-cudagraphs ...   # the models under torch.compile
 
-Eager training steps (bf16 autocast, AdamW, random tokens) of one randomly initialised model per attention
-implementation, in interleaved rounds. The model (`LLAMA`: grouped-query attention, RoPE) and the record's
-keys: the book's appendix "Methods and record formats".
+Training steps, eager or compiled (bf16 autocast, AdamW, random tokens), of one randomly initialised model
+per attention implementation, in interleaved rounds. The model (`LLAMA`: grouped-query attention, RoPE) and
+the record's keys: the book's appendix "Methods and record formats".
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 from lowprec import hf
-from lowprec.instruments.bench_overhead import op_profile, time_steps
+from lowprec.instruments.bench_overhead import COMPILE_MODES, op_profile, time_steps
 
 LLAMA = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096)
@@ -36,26 +37,36 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation and round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per implementation")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (Triton interpreter)")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default=None, metavar="MODE",
+                        help="the models under torch.compile(mode=MODE) (on the CPU: the aot_eager backend): "
+                             + ", ".join(COMPILE_MODES))
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of each implementation (torch.profiler: the ops that "
                              "take the most device time, or host time on a CPU)")
 
 
-def llama_step(attn: str, config: dict, batch: int, seq: int, device: str) -> tuple[Callable[[], None], int]:
-    """One eager training step of a Llama of `config` with attn_implementation `attn` (bf16 autocast, AdamW
-    fused on a GPU, random tokens), and the model's parameter count."""
+def llama_step(attn: str, config: dict, batch: int, seq: int, device: str, compile_mode: str | None = None
+               ) -> tuple[Callable[[], None], int]:
+    """One training step of a Llama of `config` with attn_implementation `attn` (bf16 autocast, AdamW fused on
+    a GPU, random tokens), eager or under torch.compile(mode=`compile_mode`), and its parameter count."""
     import transformers
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config),
                                                           attn_implementation=attn).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    forward = model
+    if compile_mode is not None:
+        forward = (torch.compile(model, mode=compile_mode) if device == "cuda"
+                   else torch.compile(model, backend="aot_eager"))
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(config["vocab_size"], (batch, seq), device=device, generator=gen)
 
     def step() -> None:
+        if compile_mode is not None and device == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: CUDA graphs may reuse its buffers
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
+            loss = forward(ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -83,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         if spec is not None:
             hf.register(f"lowprec-bench-{name}", spec)
         steps[name], record["parameters"] = llama_step(
-            "sdpa" if spec is None else f"lowprec-bench-{name}", config, args.batch, args.seq, device)
+            "sdpa" if spec is None else f"lowprec-bench-{name}", config, args.batch, args.seq, device,
+            args.compile)
     start = time.perf_counter()
     record["ms"] = time_steps(steps, device, args.steps, args.rounds)
     median = {name: sorted(ms)[len(ms) // 2] for name, ms in record["ms"].items()}
