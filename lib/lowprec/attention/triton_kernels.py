@@ -58,6 +58,13 @@ def _load(ptr, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.cons
 
 
 @triton.jit
+def _described(ptr, n_rows, stride, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tensor descriptor of the head's (n_rows, D) matrix at `ptr` (rows `stride` elements apart, the head
+    dim contiguous), loaded (ROWS, BLOCK_D) tiles at a time (`_streamed`)."""
+    return tl.make_tensor_descriptor(ptr, shape=[n_rows, D], strides=[stride, 1], block_shape=[ROWS, BLOCK_D])
+
+
+@triton.jit
 def _streamed(ptr, start, rows, offs_d, n_rows, stride, D: tl.constexpr, TRANSPOSE: tl.constexpr,
               CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """A tile a kernel streams (keys, values, queries or dO): `_load` of `rows` (start, start + 1, ...), or
@@ -213,8 +220,7 @@ def _fwd(Q, K, V, O, LSE, STATS, sq, sk, sv, so, N_Q, N_K, H, GROUP, BH, scale, 
     Q, O = Q + _head(b, h, sq), O + _head(b, h, so)
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)  # the group's key/value head
     if TMA:  # from here on K and V are the head's descriptors, one (BLOCK_N, BLOCK_D) tile a load
-        K = tl.make_tensor_descriptor(K, shape=[N_K, D], strides=[sk[2], 1], block_shape=[BLOCK_N, BLOCK_D])
-        V = tl.make_tensor_descriptor(V, shape=[N_K, D], strides=[sv[2], 1], block_shape=[BLOCK_N, BLOCK_D])
+        K, V = _described(K, N_K, sk[2], D, BLOCK_N, BLOCK_D), _described(V, N_K, sv[2], D, BLOCK_N, BLOCK_D)
     offset = N_K - N_Q  # causal: row i sees keys j <= i + offset
     q = _load(Q, offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
     full_end, hi = _key_range(m0, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
@@ -336,10 +342,8 @@ def _dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sq, sk, sv, sdo, sdk, sdv, N_Q, N_K, 
         h = kvh * GROUP + g
         Qh, DOh = Q + _head(b, h, sq), DO + _head(b, h, sdo)
         if TMA:
-            Qh = tl.make_tensor_descriptor(Qh, shape=[N_Q, D], strides=[sq[2], 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-            DOh = tl.make_tensor_descriptor(DOh, shape=[N_Q, D], strides=[sdo[2], 1],
-                                            block_shape=[BLOCK_M, BLOCK_D])
+            Qh = _described(Qh, N_Q, sq[2], D, BLOCK_M, BLOCK_D)
+            DOh = _described(DOh, N_Q, sdo[2], D, BLOCK_M, BLOCK_D)
         LSEh, DELTAh = LSE + (b * H + h).to(tl.int64) * N_Q, DELTA + (b * H + h).to(tl.int64) * N_Q
         for start_m in range(lo, tl.minimum(mid, N_Q), BLOCK_M):
             dk, dv = _dkdv_step(Qh, DOh, LSEh, DELTAh, k, v, dk, dv, start_m, offs_n, offs_d, N_Q, N_K,
@@ -384,8 +388,7 @@ def _dq(Q, K, V, DO, LSE, DELTA, DQ, sq, sk, sv, sdo, sdq, N_Q, N_K, H, GROUP, B
         return
     K, V = K + _head(b, h // GROUP, sk), V + _head(b, h // GROUP, sv)
     if TMA:
-        K = tl.make_tensor_descriptor(K, shape=[N_K, D], strides=[sk[2], 1], block_shape=[BLOCK_N, BLOCK_D])
-        V = tl.make_tensor_descriptor(V, shape=[N_K, D], strides=[sv[2], 1], block_shape=[BLOCK_N, BLOCK_D])
+        K, V = _described(K, N_K, sk[2], D, BLOCK_N, BLOCK_D), _described(V, N_K, sv[2], D, BLOCK_N, BLOCK_D)
     offset = N_K - N_Q
     q = _load(Q + _head(b, h, sq), offs_m, offs_d, N_Q, sq[2], D, False)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + _head(b, h, sdo), offs_m, offs_d, N_Q, sdo[2], D, False)  # (BLOCK_M, BLOCK_D)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from lowprec import hf
-from lowprec.instruments.bench_overhead import COMPILE_MODES, op_profile, time_steps
+from lowprec.instruments.bench_overhead import COMPILE_MODES, op_profile, time_steps, under_compile
 
 LLAMA = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096)
@@ -55,16 +55,11 @@ def llama_step(attn: str, config: dict, batch: int, seq: int, device: str, compi
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**config),
                                                           attn_implementation=attn).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    forward = model
-    if compile_mode is not None:
-        forward = (torch.compile(model, mode=compile_mode) if device == "cuda"
-                   else torch.compile(model, backend="aot_eager"))
+    forward = under_compile(model, device, compile_mode)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(config["vocab_size"], (batch, seq), device=device, generator=gen)
 
     def step() -> None:
-        if compile_mode is not None and device == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: CUDA graphs may reuse its buffers
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = forward(ids, labels=ids).loss
         loss.backward()

@@ -160,6 +160,21 @@ def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, ro
     return times
 
 
+def under_compile(model: torch.nn.Module, device: str, mode: str | None) -> Callable:
+    """`model` itself (mode None), or torch.compile(model, mode=mode) (on the CPU: the aot_eager backend)
+    whose every call starts a new CUDA-graph iteration (CUDA graphs may reuse the last one's buffers)."""
+    if mode is None:
+        return model
+    compiled = (torch.compile(model, mode=mode) if device == "cuda"
+                else torch.compile(model, backend="aot_eager"))
+
+    def call(*args, **kwargs):
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs)
+
+    return call
+
+
 def gpt_step(spec: str, batch: int, block_size: int, device: str, tiny: bool,
              compile_mode: str | None = None) -> Callable[[], None]:
     """One training step of gpu-6l's GPT (smoke-cpu's with `tiny`) at `block_size` with attention `spec`:
@@ -170,17 +185,12 @@ def gpt_step(spec: str, batch: int, block_size: int, device: str, tiny: bool,
     torch.manual_seed(0)
     model = GPT(model_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    forward = model
-    if compile_mode is not None:
-        forward = (torch.compile(model, mode=compile_mode) if device == "cuda"
-                   else torch.compile(model, backend="aot_eager"))
+    forward = under_compile(model, device, compile_mode)
     gen = torch.Generator(device=device).manual_seed(0)
     idx = torch.randint(model_config.vocab_size, (batch, block_size + 1), device=device, generator=gen)
     x, y = idx[:, :-1], idx[:, 1:]
 
     def step() -> None:
-        if compile_mode is not None:
-            torch.compiler.cudagraph_mark_step_begin()  # a new iteration: CUDA graphs may reuse its buffers
         with torch.autocast(device, dtype=torch.bfloat16):
             _, loss = forward(x, y)
         loss.backward()
@@ -237,15 +247,12 @@ def run(args: argparse.Namespace) -> int:
         record["calls"] += call_rows(b, h, n, device, 1 if args.smoke else CALLS)
     if args.profile:
         shape = (args.batch[0], args.heads[0], args.seq[0])
-        fns, _ = calls_of(functools.partial(attention, backend=IMPLS["triton"]), *shape, 64, True, device)
+        fns = {name: calls_of(functools.partial(attention, backend=IMPLS[name]), *shape, 64, True, device)[0]
+               for name in ("triton", "sdpa")}
         calls = 1 if args.smoke else CALLS
-        record["profile"] = {"impl": "triton", "shape": shape, "calls": calls,
-                             **{mode: host_profile(fns[mode], calls)
-                                for mode in ("fwd", "fwd+bwd")}}
-        record["profile"]["ops"] = {}  # torch's view of one fwd+bwd call, ours and SDPA's side by side
-        for name in ("triton", "sdpa"):
-            fns, _ = calls_of(functools.partial(attention, backend=IMPLS[name]), *shape, 64, True, device)
-            record["profile"]["ops"][name] = op_profile(fns["fwd+bwd"], device, calls)
+        ops = {name: op_profile(of["fwd+bwd"], device, calls) for name, of in fns.items()}  # torch's view
+        hosts = {mode: host_profile(fns["triton"][mode], calls) for mode in ("fwd", "fwd+bwd")}  # cProfile's
+        record["profile"] = {"impl": "triton", "shape": shape, "calls": calls, **hosts, "ops": ops}
     steps = {name: launched(gpt_step(spec, batch, block_size, device, args.smoke), name)
              for name, spec in IMPLS.items()}
     record["step"]["ms"] = time_steps(steps, device, args.steps, args.rounds)
