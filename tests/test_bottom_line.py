@@ -222,13 +222,15 @@ def test_lr_finding_against_the_folders() -> None:
             for rate, folders in at.items()}
     assert f"({len(at['8e-3'])} of {len(at['8e-3'])} runs, one seed)" in text
     assert f"{len(went['4e-3'])} of {len(at['4e-3'])} did" in text and went["4e-3"] == ["paper64-lr4e-3-s1"]
-    assert sorted(went["1e-3"]) == [f"{arm}-lr1e-3-s{seed}" for arm in ("fa2", "paper64") for seed in (1, 2)]
+    seeds = sorted({int(f.name.rsplit("-s", 1)[1]) for f in at["1e-3"]})
+    assert seeds == [1, 2, 3, 4]
+    assert sorted(went["1e-3"]) == [f"{arm}-lr1e-3-s{seed}" for arm in ("fa2", "paper64") for seed in seeds]
     stopped = [f.name for f in at["1e-3"] if load_run(f).summary.get("diverged_step") is not None]
-    assert sorted(stopped) == ["fa2-lr1e-3-s1", "paper64-lr1e-3-s2"]
-    assert "4 of 4 over two seeds" in text and f"{len(stopped)} of them then reached the stop rule" in text
-    assert "4 of 4 against 0 of 2 gives p = 0.067" in text  # 1/15: the one table as extreme
-    recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2)]
-    assert all(step is None or step > 4000 for step in recipe) and "fa2-lr4e-3-s1" not in went["4e-3"]
+    assert sorted(stopped) == ["fa2-lr1e-3-s1", "fa2-lr1e-3-s3", "fa2-lr1e-3-s4", "paper64-lr1e-3-s2"]
+    assert "8 of 8 over 4 seeds" in text and f"{len(stopped)} of them then reached the stop rule" in text
+    assert "8 of 8 against 0 of 4 gives p = 0.002" in text  # 1/495: the one table as extreme
+    recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2, 3)]
+    assert recipe == [None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
     assert "For `fa2` the rate ran the other way" in text
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
@@ -244,6 +246,6 @@ def test_lr_finding_goes_stale(tmp_path: Path) -> None:
     shutil.rmtree(lr / "attn-fp32-lr1e-3-s1")  # fp32 attention running away at 1e-3: the lead is stale
     (lr / "attn-fp32-lr1e-3-s1").symlink_to(EXPLODE / "lr-qknorm" / "paper64-lr1e-3-s1")
     forget()
-    with pytest.raises(StaleClaim, match="at 1e-3 .two seeds. every fa2 and paper64 run ran away"):
+    with pytest.raises(StaleClaim, match="at 1e-3 .every seed. every fa2 and paper64 run ran away"):
         lr_finding(results)
     forget()

@@ -94,3 +94,23 @@ def test_bench_hf_smoke_trains_each_implementation(tmp_path):
     assert any("aten::mm" in r["name"] or "aten::addmm" in r["name"] for r in record["profile"]["sdpa"])
     assert set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"} and record["parameters"] > 0
     assert set(record["vs_sdpa"]) == {"lowprec", "lowprec+fix"} and record["provenance"]["transformers"]
+    assert record["complete"] is True and set(record["first_step_s"]) == set(record["ms"])
+
+
+def test_bench_hf_keeps_what_it_measured_when_interrupted(tmp_path, monkeypatch):
+    """The record is written after each phase: stopped while profiling, the file has every implementation's
+    first-step seconds and step times, marked incomplete."""
+    pytest.importorskip("transformers")
+    from lowprec.instruments import bench_hf
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_hf, "op_profile", stopped)
+    out = tmp_path / "hf.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "hf", "--smoke", "--profile", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["complete"] is False and "profile" not in record
+    assert set(record["first_step_s"]) == set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"}
+    assert all(s >= 0 for s in record["first_step_s"].values())

@@ -21,7 +21,13 @@ from pathlib import Path
 
 import torch
 from lowprec import hf
-from lowprec.instruments.bench_overhead import COMPILE_MODES, op_profile, time_steps, under_compile
+from lowprec.instruments.bench_overhead import (
+    COMPILE_MODES,
+    first_step,
+    op_profile,
+    time_steps,
+    under_compile,
+)
 
 LLAMA = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
              num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096)
@@ -83,26 +89,35 @@ def run(args: argparse.Namespace) -> int:
     if args.seq > config["max_position_embeddings"]:
         raise ValueError(f"--seq must be <= {config['max_position_embeddings']}, got {args.seq}")
     record = {"provenance": {**provenance(), "transformers": importlib.metadata.version("transformers")},
-              "args": vars(args), "device": device, "model": config, "impls": IMPLS}
-    steps = {}
+              "args": vars(args), "device": device, "model": config, "impls": IMPLS, "complete": False}
+
+    def save() -> None:  # after each phase: an interrupted run keeps what it measured ("complete": false)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.out, record)
+
+    start = time.perf_counter()
+    steps, record["first_step_s"] = {}, {}
     for name, spec in IMPLS.items():
         if spec is not None:
             hf.register(f"lowprec-bench-{name}", spec)
         steps[name], record["parameters"] = llama_step(
             "sdpa" if spec is None else f"lowprec-bench-{name}", config, args.batch, args.seq, device,
             args.compile)
-    start = time.perf_counter()
-    record["ms"] = time_steps(steps, device, args.steps, args.rounds)
+        record["first_step_s"][name] = first_step(steps[name], device)
+        print(f"{name}: first step {record['first_step_s'][name]:.1f} s (autotuning, compiling)", flush=True)
+        save()
+    record["ms"] = time_steps(steps, device, args.steps, args.rounds, progress=True)
     median = {name: sorted(ms)[len(ms) // 2] for name, ms in record["ms"].items()}
     record["tokens_per_s"] = {name: round(args.batch * args.seq / (ms * 1e-3)) for name, ms in median.items()}
     record["vs_sdpa"] = {name: round(median["sdpa"] / ms, 3) for name, ms in median.items() if name != "sdpa"}
+    save()
     if args.profile:
         record["profile"] = {name: op_profile(step, device, by="device" if device == "cuda" else "host")
                              for name, step in steps.items()}
     record["seconds"] = round(time.perf_counter() - start, 1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.out, record)
+    record["complete"] = True
+    save()
     for name, ms in record["ms"].items():
         print(f"{name:<12} {record['tokens_per_s'][name]:>10,} tok/s  step {median[name]:8.2f} ms  "
               f"({' '.join(f'{m:.2f}' for m in ms)})")

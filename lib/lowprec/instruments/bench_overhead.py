@@ -34,6 +34,7 @@ from lowprec.attention.flash import direct_launch
 from lowprec.configs import get_config
 from lowprec.instruments.bench_attention import calls_of, inside, int_list, loop_us
 from lowprec.model import GPT
+from tqdm import tqdm
 
 IMPLS = {"sdpa": "sdpa", "triton": "triton/precision=fa2", "triton+fix": "triton/precision=fa2/fix=2",
          "triton-jit": "triton/precision=fa2"}
@@ -143,11 +144,22 @@ def host_profile(fn: Callable[[], object], calls: int, top: int = 20) -> list[di
             for (file, line, name), (_, n, own, cum, _) in rows]
 
 
-def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, rounds: int) -> dict[str, list]:
+def first_step(step: Callable[[], None], device: str) -> float:
+    """Seconds the first call of `step` takes (the autotuner's picks, compilation), synced."""
+    start = time.perf_counter()
+    step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return round(time.perf_counter() - start, 1)
+
+
+def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, rounds: int,
+               progress: bool = False) -> dict[str, list]:
     """Milliseconds per step of each step function, `rounds` interleaved rounds of `count` steps each (one
-    untimed warm-up step per round), synced around each round."""
+    untimed warm-up step per round), synced around each round; with `progress`, a bar over the rounds."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    bar = tqdm(total=rounds * len(steps), desc="timing", unit="round", disable=not progress)
     for _ in range(rounds):
         for name, step in steps.items():
             step()
@@ -157,6 +169,8 @@ def time_steps(steps: dict[str, Callable[[], None]], device: str, count: int, ro
                 step()
             sync()
             times[name].append((time.perf_counter() - start) * 1e3 / count)
+            bar.update()
+    bar.close()
     return times
 
 
