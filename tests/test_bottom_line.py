@@ -231,7 +231,8 @@ def test_lr_finding_against_the_folders() -> None:
     assert "8 of 8 against 0 of 4 gives p = 0.002" in text  # 1/495: the one table as extreme
     recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2, 3)]
     assert recipe == [None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
-    assert "For `fa2` the rate ran the other way" in text
+    assert "A lower rate brought the runaway forward" in text and "`fa2` ran away in 4 of 4 runs" in text
+    assert "in 0 of 5 at the recipe's rate" in text and "p = 0.008" in text  # 1/126
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
     assert text in bottom_line()

@@ -166,6 +166,7 @@ def test_measure_cures_records_bias_and_cost(tmp_path, monkeypatch, capsys):
     record = json.loads((tmp_path / "cures.json").read_text())
     assert [r["impl"] for r in record["bias"]] == [c.name for c in picked] and record["bias_errors"] == {}
     assert record["provenance"]["torch"] and set(record["seconds"]) == {"bias", "cost"}
+    assert set(record["configs"]) == {"fwd", "dkdv", "dq"}  # the picks (none under the interpreter)
     cost = {(r["cure"], r["causal"]): r for r in record["cost"]}
     assert set(cost) == {(c.name, causal) for c in picked for causal in (False, True)}
     assert cost["none (fa2)", True]["fwd+bwd_vs_fa2"] == 1.0 and cost["Fix", False]["fwd_ms"] > 0

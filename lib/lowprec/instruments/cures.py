@@ -305,6 +305,7 @@ def cost_table(cures: Sequence[Cure], seq: int, head_dim: int, device: str, roun
 
 
 def run(args: argparse.Namespace) -> int:
+    from lowprec.attention.flash import autotuned_configs
     from lowprec.runs import provenance, write_json  # records layer, imported only by this command
     from tqdm import tqdm
 
@@ -330,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
     record["cost"] = cost_table(CURES, seq, head_dim, device, 1 if args.smoke else args.rounds,
                                 tokens=128 if args.smoke else 16384, hidden=32 if args.smoke else 2048)
     record["seconds"]["cost"] = round(time.perf_counter() - start, 1)
+    record["configs"] = autotuned_configs()  # each variant's tiles (on a GPU): the costs compare these picks
     write_json(out / "cures.json", record)
     print(format_table(BiasResult.from_dict(d) for d in record["bias"]))
     for row in record["cost"]:

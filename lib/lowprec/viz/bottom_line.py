@@ -267,6 +267,15 @@ def lr_finding(results: Path = RESULTS) -> str:
     fa2_twice = [r for r in twice if r.arm == "fa2"]
     claim(len(recipe_fa2) >= 3 and not any(r.runaway for r in recipe_fa2 + fa2_twice),
           "fa2 in the same seeds: no runaway at the recipe's rate (8,000 steps) or at twice it (4,000)")
+    fa2_half = [r for r in bf16 if r.arm == "fa2"]
+    p_fa2 = fisher_p(len(fa2_half), len(fa2_half), 0, len(recipe_fa2) + len(fa2_twice))
+    claim(all(r.runaway <= 4000 for r in fa2_half) and p_fa2 < 0.01,
+          "fa2 by step 4,000: every run at 1e-3, none at 2e-3 or 4e-3 (Fisher p below 0.01)")
+    paper_half = sorted(r.runaway for r in bf16 if r.arm == "paper64")
+    paper_recipe = sorted(r.runaway for r in study_groups("survival", results).get("paper64", [])
+                          if r.runaway)
+    claim(paper_recipe and max(paper_half) < min(paper_recipe),
+          "paper64 ran away sooner at 1e-3 than at 2e-3")
     stopped = [r for r in half if r.explosion is not None]
     claim(0 < len(stopped) < len(bf16) and all(r in bf16 for r in stopped),
           "at 1e-3 some bf16 runs, not all, and no fp32 run reached the stop rule")
@@ -296,10 +305,12 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"test of {len(bf16)} of {len(bf16)} against 0 of {len(fp32)} gives p = {p:.3f}: at that rate a "
         f"bf16 rounding point in attention starts a runaway that the learning rate alone does not (which "
         f"rounding point, this contrast does not say: the two bf16 placements share several, $\\bar P$ "
-        f"rounded for $\\bar PV$ among them). For `fa2` the rate ran the other way: in seeds "
-        f"{listed(recipe_fa2)} it had no runaway in 8,000 steps at the recipe's rate (the survival runs), "
-        f"nor by step 4,000 at twice it (seeds {listed(fa2_twice)}), and it ran away in every run at half "
-        f"of it.")
+        f"rounded for $\\bar PV$ among them). A lower rate brought the runaway forward: by step 4,000 `fa2` "
+        f"ran away in {len(fa2_half)} of {len(fa2_half)} runs at half the recipe's rate and in 0 of "
+        f"{len(recipe_fa2) + len(fa2_twice)} at the recipe's rate (seeds {listed(recipe_fa2)}, none by "
+        f"8,000 either) and twice it (seeds {listed(fa2_twice)}), Fisher's exact test p = {p_fa2:.3f}; the "
+        f"authors' placement ran away at steps {paper_half[0]:,}-{paper_half[-1]:,} at half the rate, "
+        f"against {' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs).")
 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
