@@ -132,11 +132,25 @@ def test_lr_sweep_counts_runaways_by_series_and_rate() -> None:
               "fa2-lr1e-3": [grid_run(1e-3, False, 40.0, 2.0)],
               "fa2-lr8e-3-qkln": [grid_run(8e-3, True, 30.0, 2.5)]}
     sweep = lr_sweep(groups, horizon=1000)
-    assert sweep == {"fa2": [{"lr": 1e-3, "runs": 1, "runaways": 0, "final_loss": 2.0},
-                             {"lr": 8e-3, "runs": 3, "runaways": 2, "final_loss": 4.0}],
-                     "fa2 + QK-LayerNorm": [{"lr": 8e-3, "runs": 1, "runaways": 0, "final_loss": 2.5}]}
+    assert sweep == {"fa2": [{"lr": 1e-3, "runs": 1, "runaways": 0, "loss": 2.0},
+                             {"lr": 8e-3, "runs": 3, "runaways": 2, "loss": 4.0}],
+                     "fa2 + QK-LayerNorm": [{"lr": 8e-3, "runs": 1, "runaways": 0, "loss": 2.5}]}
     fig = lr_figure("runaways against the learning rate", sweep)
     shares = [t for t in fig.data if t.xaxis == "x"]
     assert [list(t.y) for t in shares] == [[0.0, 2 / 3], [0.0]]
     assert len({t.line.color for t in shares}) == 2 and fig.layout.xaxis.type == "log"
 
+
+
+def test_lr_sweep_reads_a_longer_run_up_to_the_horizon() -> None:
+    """A 2,000-step run in a 1,000-step grid: its runaway after the horizon does not count, and its loss is
+    the one logged at the horizon, not its last."""
+    calm = {s: [10.0] for s in range(0, 2000, 50)}
+    run = fake_run({**calm, 1500: [5e3]}, steps=2000)
+    run.metrics[:] = [{**m, "loss": 4.0 if m["step"] <= 1000 else 9.0} for m in run.metrics]
+    long = Run(run.path, {"lr": 2e-3, "model": {"qk_layernorm": False}}, {}, run.metrics, [],
+               {**run.summary, "final_loss": 9.0})
+    assert lr_sweep({"fa2-lr2e-3": [long]}, horizon=1000) == {
+        "fa2": [{"lr": 2e-3, "runs": 1, "runaways": 0, "loss": 4.0}]}
+    assert lr_sweep({"fa2-lr2e-3": [long]}, horizon=2000)["fa2"][0] == {
+        "lr": 2e-3, "runs": 1, "runaways": 1, "loss": 9.0}

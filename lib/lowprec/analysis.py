@@ -477,8 +477,14 @@ def survival_table(arms: dict[str, list[Outcome]], against: tuple[str, ...] = ()
 
 def lr_sweep(groups: dict[str, list[Run]], horizon: int) -> dict[str, list[dict]]:
     """A learning-rate grid's done runs by series ("<arm>" or "<arm> + QK-LayerNorm"; a group is named
-    "<arm>-lr<rate>[-qkln]"), each a list by learning rate of {"lr", "runs", "runaways", "final_loss" (the
-    median of the runs' last losses)}."""
+    "<arm>-lr<rate>[-qkln]"), each a list by learning rate of {"lr", "runs", "runaways" (by the horizon),
+    "loss" (the median over the runs of the loss at the horizon: the last logged one at or before it, or the
+    run's last loss where it ended sooner)}; runs longer than the horizon are read up to it."""
+    def horizon_loss(run: Run) -> float:
+        if run.summary["steps"] <= horizon:
+            return run.summary["final_loss"]
+        return [v for s, v in zip(*run.series("loss"), strict=True) if s <= horizon][-1]
+
     series: dict[str, dict[float, list[Run]]] = {}
     for name, runs in groups.items():
         for run in runs:
@@ -486,6 +492,6 @@ def lr_sweep(groups: dict[str, list[Run]], horizon: int) -> dict[str, list[dict]
             series.setdefault(label, {}).setdefault(run.config["lr"], []).append(run)
     return {label: [{"lr": lr, "runs": len(runs),
                      "runaways": sum(outcome(run, horizon).runaway is not None for run in runs),
-                     "final_loss": statistics.median(run.summary["final_loss"] for run in runs)}
+                     "loss": statistics.median(horizon_loss(run) for run in runs)}
                     for lr, runs in sorted(by_lr.items())]
             for label, by_lr in series.items()}

@@ -116,9 +116,9 @@ def logit_figure(title: str, runs: dict[str, Run], colours: dict[str, str] | Non
 
 def lr_figure(title: str, sweep: dict[str, list[dict]]) -> go.Figure:
     """`analysis.lr_sweep` as two panels against the learning rate (log axis): the share of runs that ran
-    away, and the median final loss; one colour per series in both."""
+    away, and the median loss at the horizon; one colour per series in both."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
-                        subplot_titles=["share of runs with a runaway", "median final loss"])
+                        subplot_titles=["share of runs with a runaway", "median loss at the horizon"])
     for i, (label, rows) in enumerate(sweep.items()):
         colour = COLOURWAY[i % len(COLOURWAY)]
         lrs = [r["lr"] for r in rows]
@@ -126,7 +126,7 @@ def lr_figure(title: str, sweep: dict[str, list[dict]]) -> go.Figure:
                         legendgroup=label, line_color=colour, row=1, col=1,
                         customdata=[[r["runaways"], r["runs"]] for r in rows],
                         hovertemplate="lr %{x:g}: %{customdata[0]} of %{customdata[1]} runs<extra></extra>")
-        fig.add_scatter(x=lrs, y=[r["final_loss"] for r in rows], mode="lines+markers", name=label,
+        fig.add_scatter(x=lrs, y=[r["loss"] for r in rows], mode="lines+markers", name=label,
                         legendgroup=label, showlegend=False, line_color=colour, row=1, col=2)
     fig.update_xaxes(type="log", title_text="peak learning rate")
     fig.update_yaxes(title_text="share of runs", range=[-0.05, 1.05], row=1, col=1)
