@@ -290,27 +290,26 @@ def lr_finding(results: Path = RESULTS) -> str:
         return ", ".join(str(r.seed) for r in group)
 
     return (
-        f"Over learning rates, 4,000 steps per run: at {latex(8e-3)}, four times the recipe's rate, every "
-        f"placement ran away, attention computed entirely in fp32 included ({len(high)} of {len(high)} runs, "
-        f"one seed); at {latex(4e-3)} {len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step "
-        f"{went[0].runaway:,}), while every run's largest logit climbed (to "
-        f"{min(peak[r.name] for r in twice):,.0f}-{max(peak[r.name] for r in twice):,.0f}) and fell back; "
-        f"at {latex(1e-3)}, half the recipe's rate, every bf16 run ran away ({len(bf16)} of {len(bf16)} "
-        f"over {len(seeds)} seeds: `paper64` at steps {steps('paper64')}, `fa2` at {steps('fa2')}; "
-        f"{len(stopped)} of them then reached the stop rule) and attention in fp32 in none of {len(fp32)} "
-        f"(its largest logit at most {max(peak[r.name] for r in fp32):.0f}). With QK-LayerNorm none of "
-        f"{len(normed)} runs ran away or spiked ({latex(lrs[0])} to {latex(lrs[-1])}). So two growths show: "
-        f"a high learning rate drives the logits up in every placement, bf16 or not; at half the recipe's "
-        f"rate the logits of attention in fp32 stayed flat while every bf16 run ran away. Fisher's exact "
-        f"test of {len(bf16)} of {len(bf16)} against 0 of {len(fp32)} gives p = {p:.3f}: at that rate a "
-        f"bf16 rounding point in attention starts a runaway that the learning rate alone does not (which "
-        f"rounding point, this contrast does not say: the two bf16 placements share several, $\\bar P$ "
-        f"rounded for $\\bar PV$ among them). A lower rate brought the runaway forward: by step 4,000 `fa2` "
-        f"ran away in {len(fa2_half)} of {len(fa2_half)} runs at half the recipe's rate and in 0 of "
-        f"{len(recipe_fa2) + len(fa2_twice)} at the recipe's rate (seeds {listed(recipe_fa2)}, none by "
-        f"8,000 either) and twice it (seeds {listed(fa2_twice)}), Fisher's exact test p = {p_fa2:.3f}; the "
-        f"authors' placement ran away at steps {paper_half[0]:,}-{paper_half[-1]:,} at half the rate, "
-        f"against {' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs).")
+        f"At half the recipe's learning rate ({latex(1e-3)}, 4,000 steps per run) every bf16 run ran away "
+        f"({len(bf16)} of {len(bf16)} over {len(seeds)} seeds: `paper64` at steps {steps('paper64')}, `fa2` "
+        f"at {steps('fa2')}; {len(stopped)} of them then reached the stop rule) and attention computed "
+        f"entirely in fp32 in none of {len(fp32)} (its largest logit at most "
+        f"{max(peak[r.name] for r in fp32):.0f}). Fisher's exact test of {len(bf16)} of {len(bf16)} against "
+        f"0 of {len(fp32)} gives p = {p:.3f}: at that rate a bf16 rounding point in attention starts a "
+        f"runaway that the learning rate alone does not (which rounding point, this contrast does not say: "
+        f"the two bf16 placements share several, $\\bar P$ rounded for $\\bar PV$ among them). A lower rate "
+        f"brought the runaway forward: by step 4,000 `fa2` ran away in {len(fa2_half)} of {len(fa2_half)} "
+        f"runs at half the recipe's rate and in 0 of {len(recipe_fa2) + len(fa2_twice)} at the recipe's rate "
+        f"(seeds {listed(recipe_fa2)}, none by 8,000 either) and twice it (seeds {listed(fa2_twice)}), "
+        f"Fisher's exact test p = {p_fa2:.3f}; the authors' placement ran away at steps "
+        f"{paper_half[0]:,}-{paper_half[-1]:,} at half the rate, against "
+        f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs). A high rate is "
+        f"a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, every placement ran "
+        f"away, attention in fp32 included ({len(high)} of {len(high)} runs, one seed); at {latex(4e-3)} "
+        f"{len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step {went[0].runaway:,}), while "
+        f"every run's largest logit climbed (to {min(peak[r.name] for r in twice):,.0f}-"
+        f"{max(peak[r.name] for r in twice):,.0f}) and fell back. With QK-LayerNorm none of {len(normed)} "
+        f"runs ran away or spiked ({latex(lrs[0])} to {latex(lrs[-1])}).")
 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
@@ -397,15 +396,16 @@ def bottom_line(results: Path = RESULTS) -> str:
         return f"{min(losses):.2f}-{max(losses):.2f}"
     lrs = sorted({r.lr for r in normed})
     why = (
-        f"**Why, as far as the records show.** Not the paper's biased rounding of $\\bar P V$ alone: with "
-        f"it unrounded (`paper64-fp32pv`) {rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The "
-        f"runaways go with a bf16 row sum $\\ell$: rounding only $\\ell$ (`bf16rowsum`) ran away in "
-        f"{rate(*tally(rowsum, 'runaway'))}, the same arm with $\\ell$ in fp32 (`fp32pv`) in "
-        f"{rate(*tally(fp32pv, 'runaway'))}. An fp32 $\\ell$ does not rule a runaway out: `fa2` keeps it in "
-        f"fp32 and ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` "
-        f"ran away in both runs of its one seed (without the stop rule). These are counts; no single run "
-        f"shows a cause. At the recipe's learning rate none of the {len(plain_fa2)} `fa2` and "
-        f"{len(plain_fp32)} `attn-fp32` survival runs ran away in 8,000 steps. " + finding)
+        "**Why, as far as the records show.** " + finding + f" Which rounding point, at the recipe's rate: "
+        f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
+        f"{rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The runaways go with a bf16 row sum "
+        f"$\\ell$: rounding only $\\ell$ (`bf16rowsum`) ran away in {rate(*tally(rowsum, 'runaway'))}, the "
+        f"same arm with $\\ell$ in fp32 (`fp32pv`) in {rate(*tally(fp32pv, 'runaway'))}. An fp32 $\\ell$ "
+        f"does not rule a runaway out: `fa2` keeps it in fp32 and ran away once at {SMALL:,} tokens per "
+        f"step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away in both runs of its one seed (without "
+        f"the stop rule). These are counts; no single run shows a cause. At the recipe's learning rate none "
+        f"of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} `attn-fp32` survival runs ran away in 8,000 "
+        f"steps.")
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -433,31 +433,30 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(plain.spike is not None and cons.spike is None and cons.runaway is not None,
           "consistent: no spike, still a runaway (3-bit, seed 3)")
     change = (
-        f"**What to change.** Keep the row sum $\\ell$ and the scores in fp32, as the production placement "
-        f"does: that cut the runaway count above, not to zero. Watch every layer's largest logit: in all "
-        f"{len(exploded)} runs the stop rule ended, a runaway came first, {min(ahead):,} to {max(ahead):,} "
-        f"steps before it. Do not count on the paper's Fix: with it the authors' placement ran away in "
-        f"{rate(*tally(fixed, 'runaway'), 'seeds')} and exploded at {LARGE:,} tokens per step. Summing the "
-        f"rounded weights into $\\ell$ (`consistent`) stopped the loss spike of one 3-bit-$\\bar P$ run but "
-        f"not its runaway (one seed), and in bf16 training on the production placement (`fa2-consistent`) "
-        f"{rate(*tally(cons_fa2, 'runaway'))} ran away and exploded (runaway at "
-        f"{', '.join(f'{r.runaway:,}' for r in cons_went)}; the stop rule at "
-        f"{', '.join(f'{r.explosion:,}' for r in cons_went)}) where `fa2` did not in "
-        f"{len(plain_fa2)}: no evidence that it prevents the runaway. Attention in fp32 "
-        f"(`attn-fp32`) ran away in none of its {len(fp32_below)} runs below four times the recipe's rate "
-        f"(4,000 steps at half and twice it, {len(fp32_attn)} survival runs of 8,000 steps at it), the "
-        f"model with no bf16 anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, "
-        f"where every bf16 run ran away, that contrast is significant (above); at the recipe's rate the runs "
-        f"are still too few to tell. With QK-LayerNorm "
-        f"none of {len(normed)} runs ran away or spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, "
-        f"one seed per placement and rate; largest logit "
-        f"{min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} that have a "
-        f"same-seed twin without it ended with the lower loss ({loss_range(b for _, b in compared)} against "
-        f"{loss_range(a for a, _ in compared)}): the one cure here that held in every placement, "
-        f"at one seed. A lower learning rate is no cure on this evidence: at half the recipe's rate both "
-        f"bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
-        f"{len({r.seed for group in half.values() for r in group})} seeds each) where attention in fp32 did "
-        f"not.")
+        f"**What to change.** Watch every layer's largest logit: in all {len(exploded)} runs the stop rule "
+        f"ended, a runaway came first, {min(ahead):,} to {max(ahead):,} steps before it. Against the runaway "
+        f"itself, normalise queries and keys: with QK-LayerNorm none of {len(normed)} runs ran away or "
+        f"spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, one seed per placement and rate; "
+        f"largest logit {min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} "
+        f"that have a same-seed twin without it ended with the lower loss "
+        f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one cure "
+        f"here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`): it ran "
+        f"away in none of its {len(fp32_below)} runs below four times the recipe's rate (4,000 steps at half "
+        f"and twice it, {len(fp32_attn)} survival runs of 8,000 steps at it), the model with no bf16 "
+        f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
+        f"away, that contrast is significant (above); at the recipe's rate the runs are still too few to "
+        f"tell. A lower learning rate is no cure on this evidence: at half the recipe's rate both bf16 "
+        f"placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
+        f"{len({r.seed for group in half.values() for r in group})} seeds each), sooner than at the "
+        f"recipe's. Keep the row sum $\\ell$ and the scores in fp32, as the production placement does: that "
+        f"cut the runaway count at the recipe's rate, not to zero. Do not count on the paper's Fix: with it "
+        f"the authors' placement ran away in {rate(*tally(fixed, 'runaway'), 'seeds')} and exploded at "
+        f"{LARGE:,} tokens per step. Summing the rounded weights into $\\ell$ (`consistent`) stopped the "
+        f"loss spike of one 3-bit-$\\bar P$ run but not its runaway (one seed), and in bf16 training on the "
+        f"production placement (`fa2-consistent`) {rate(*tally(cons_fa2, 'runaway'))} ran away and exploded "
+        f"(runaway at {', '.join(f'{r.runaway:,}' for r in cons_went)}; the stop rule at "
+        f"{', '.join(f'{r.explosion:,}' for r in cons_went)}) where `fa2` did not in {len(plain_fa2)}: no "
+        f"evidence that it prevents the runaway.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
@@ -472,7 +471,13 @@ def bottom_line(results: Path = RESULTS) -> str:
         def count(lr: float, on: bool) -> str:
             group = [r for (_, rate, with_it), cell in cells.items() if (rate, with_it) == (lr, on)
                      for r in cell]
-            return f"{tally(group, 'runaway')[0]} of {len(group)}" if group else "not yet run"
+            if group:
+                return f"{tally(group, 'runaway')[0]} of {len(group)}"
+            if (lr, on) == (RECIPE[1], False):  # the survival runs of the grid's placements, up to 4,000
+                survived = [r for arm in GRID_PLACEMENTS for r in study_arms.get(arm, [])]
+                went = sum(r.runaway is not None and r.runaway <= 4000 for r in survived)
+                return f"{went} of {len(survived)} survival runs by step 4,000"
+            return "not yet run"
         return "; ".join(f"{latex(lr)}: {count(lr, False)}, {count(lr, True)}"
                          for lr in sorted({lr for _, lr, _ in cells}, reverse=True))
     larger = [r.steps for r in runs.values() if r.config != RECIPE[0]]
