@@ -109,8 +109,15 @@ def test_bench_hf_keeps_what_it_measured_when_interrupted(tmp_path, monkeypatch)
     monkeypatch.setattr(bench_hf, "op_profile", stopped)
     out = tmp_path / "hf.json"
     with pytest.raises(KeyboardInterrupt):
-        cli.main(["bench", "hf", "--smoke", "--profile", "--out", str(out)])
+        cli.main(["bench", "hf", "--smoke", "--profile", "--impls", "sdpa,lowprec", "--out", str(out)])
     record = json.loads(out.read_text())
     assert record["complete"] is False and "profile" not in record
-    assert set(record["first_step_s"]) == set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"}
+    assert set(record["first_step_s"]) == set(record["ms"]) == set(record["impls"]) == {"sdpa", "lowprec"}
     assert all(s >= 0 for s in record["first_step_s"].values())
+
+
+def test_bench_hf_impls_need_the_reference(capsys):
+    assert cli.main(["bench", "hf", "--smoke", "--impls", "lowprec"]) == 2
+    assert "--impls must include sdpa" in capsys.readouterr().err
+    assert cli.main(["bench", "hf", "--smoke", "--impls", "flash"]) == 2
+    assert "argument --impls: must be a comma list of sdpa, lowprec, lowprec+fix" in capsys.readouterr().err

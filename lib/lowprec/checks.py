@@ -63,3 +63,15 @@ def option(kind: type = float, low: float | None = None, high: float | None = No
         return value
 
     return parse
+
+
+def comma_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: "a,b" -> ("a", "b"), each one of `allowed`."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(filter(None, text.split(",")))
+        if not items or any(i not in allowed for i in items):
+            raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(allowed)}; got {text!r}")
+        return items
+
+    return parse

@@ -5,6 +5,7 @@ kernel through the plug-in (lowprec.hf), Fix off and on.
     lowprec bench hf --smoke                                    # CPU (Triton interpreter), seconds
     lowprec bench hf --profile ...                              # + each implementation's ops in one step
     lowprec bench hf --compile max-autotune-no-cudagraphs ...   # the models under torch.compile
+    lowprec bench hf --impls sdpa,lowprec ...                   # some implementations only (sdpa always)
 
 Training steps, eager or compiled (bf16 autocast, AdamW, random tokens), of one randomly initialised model
 per attention implementation, in interleaved rounds. The model (`LLAMA`: grouped-query attention, RoPE) and
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from lowprec import hf
+from lowprec.checks import comma_list
 from lowprec.instruments.bench_overhead import (
     COMPILE_MODES,
     first_step,
@@ -46,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", choices=COMPILE_MODES, default=None, metavar="MODE",
                         help="the models under torch.compile(mode=MODE) (on the CPU: the aot_eager backend): "
                              + ", ".join(COMPILE_MODES))
+    parser.add_argument("--impls", type=comma_list(tuple(IMPLS)), default=tuple(IMPLS),
+                        help="the implementations to time, sdpa among them (default: all: "
+                             + ",".join(IMPLS) + ")")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step of each implementation (torch.profiler: the ops that "
                              "take the most device time, or host time on a CPU)")
@@ -86,10 +91,13 @@ def run(args: argparse.Namespace) -> int:
     config = TINY if args.smoke else LLAMA
     if args.smoke:
         args.seq, args.batch, args.steps, args.rounds = 32, 2, 1, 1
+    if "sdpa" not in args.impls:
+        raise ValueError(f"--impls must include sdpa (the reference), got {','.join(args.impls)}")
     if args.seq > config["max_position_embeddings"]:
         raise ValueError(f"--seq must be <= {config['max_position_embeddings']}, got {args.seq}")
     record = {"provenance": {**provenance(), "transformers": importlib.metadata.version("transformers")},
-              "args": vars(args), "device": device, "model": config, "impls": IMPLS, "complete": False}
+              "args": vars(args), "device": device, "model": config,
+              "impls": {name: IMPLS[name] for name in args.impls}, "complete": False}
 
     def save() -> None:  # after each phase: an interrupted run keeps what it measured ("complete": false)
         if args.out:
@@ -98,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     steps, record["first_step_s"] = {}, {}
-    for name, spec in IMPLS.items():
+    for name, spec in record["impls"].items():
         if spec is not None:
             hf.register(f"lowprec-bench-{name}", spec)
         steps[name], record["parameters"] = llama_step(

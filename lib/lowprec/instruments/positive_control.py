@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from lowprec.checks import comma_list
 from lowprec.instruments.control import FP32_PV, OPTIMIZERS, TREATMENTS, ControlConfig, train_treatment
 from lowprec.instruments.cures import CURES, train_key
 from lowprec.runs import check_target, cpu_vendor, provenance, write_json
@@ -143,18 +144,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cures", action="store_true",
                         help="train every cure of lowprec.instruments.cures.CURES instead of the treatments "
                              "(keys cure/<optimizer>/<name>; --placements and --treatments are then unused)")
-
-
-def comma_list(allowed: tuple[str, ...]):
-    """An argparse type: "a,b" -> ("a", "b"), each one of `allowed`."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(filter(None, text.split(",")))
-        if not items or any(i not in allowed for i in items):
-            raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(allowed)}; got {text!r}")
-        return items
-
-    return parse
 
 
 def run(args: argparse.Namespace) -> int:
