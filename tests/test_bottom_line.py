@@ -237,6 +237,9 @@ def test_lr_finding_against_the_folders() -> None:
     assert recipe == [None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
     assert "A lower rate brought the runaway forward" in text and "`fa2` ran away in 4 of 4 runs" in text
     assert "in 0 of 5 at the recipe's rate" in text and "p = 0.008" in text  # 1/126
+    onset = {f.name: runaway_step(load_run(f)) for f in at["1e-3"]}
+    assert all(onset[f"paper64-lr1e-3-s{s}"] < onset[f"fa2-lr1e-3-s{s}"] for s in seeds)
+    assert f"before `fa2` in each of the {len(seeds)} seeds at half the rate" in text
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
     assert text in bottom_line()
