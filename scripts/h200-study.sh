@@ -7,7 +7,8 @@
 #                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
 #                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
 #                                  (the committed sample in place of the corpus: same model and batch), then
-#                                  `lowprec bench overhead PROBE_BENCH` (default --profile) into overhead.json,
+#                                  `lowprec bench overhead PROBE_BENCH` (default --profile; none: skipped)
+#                                  into overhead.json,
 #                                  then PROBE_EXTRA (a command line, run with WORK set, e.g. a `lowprec bench
 #                                  attention` with --out '$WORK/bench-tma.json': bench-*.json and cures.json
 #                                  are packed too)
@@ -47,7 +48,8 @@ probe)
     [ "$2" != none ] && python3 scripts/time_arm.py --queue "${1%% *}" --arm "$2" --steps 300 --work "$3" \
       --set data=sample:bytes --out "$3/time-$2.json"
     # shellcheck disable=SC2086
-    python3 -m lowprec.cli bench overhead ${PROBE_BENCH:---profile} --out "$3/overhead.json"
+    [ "${PROBE_BENCH:-}" != none ] && python3 -m lowprec.cli bench overhead ${PROBE_BENCH:---profile} \
+      --out "$3/overhead.json"
     [ -n "${PROBE_EXTRA:-}" ] && WORK="$3" bash -c "$PROBE_EXTRA"
   ' probe "$QUEUE" "${ARM:-model-fp32}" "$WORK" > "$WORK/probe.log" 2>&1 < /dev/null &
   echo $! > "$WORK/probe.pid"

@@ -89,3 +89,23 @@ def test_go_counts_its_minutes_from_end_at(tmp_path) -> None:
     wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "60"}, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert wait.returncode == 0 and "study survival: 1 minutes" in (work / "go.log").read_text()
+
+
+def test_probe_without_the_overhead_bench(tmp_path) -> None:
+    """PROBE_BENCH=none skips `bench overhead`; PROBE_EXTRA still runs, with WORK set, in the probe's
+    session."""
+    work = tmp_path / "work"
+    env = {**os.environ, "WORK": str(work), "PHASE": "probe", "ARM": "none", "PROBE_BENCH": "none",
+           "PROBE_EXTRA": 'echo measured > "$WORK/bench-extra.json"', "PYTHONPATH": str(ROOT / "lib"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    probe = subprocess.run(["bash", str(ROOT / "scripts" / "h200-study.sh")], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0 and "probe started" in probe.stdout, probe.stdout + probe.stderr
+    pid = int((work / "probe.pid").read_text())
+    for _ in range(300):  # the probe runs in its own session: wait for it to end
+        if not Path(f"/proc/{pid}").exists():
+            break
+        time.sleep(0.1)
+    assert (work / "bench-extra.json").read_text() == "measured\n"
+    log = (work / "probe.log").read_text()
+    assert not (work / "overhead.json").exists() and "lowprec" not in log, log  # no bench ran, nor failed
