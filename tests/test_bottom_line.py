@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from lowprec.viz.bottom_line import (
     run_rows,
     shared_spikes,
     study_groups,
+    tokens_per_s,
     twins,
 )
 
@@ -257,3 +259,12 @@ def test_lr_finding_goes_stale(tmp_path: Path) -> None:
     with pytest.raises(StaleClaim, match="at 1e-3 .every seed. every fa2 and paper64 run ran away"):
         lr_finding(results)
     forget()
+
+
+def test_tokens_per_s_is_the_median_over_the_records() -> None:
+    """The training speed the bottom line and Symptoms compare, read from the runs' summaries directly."""
+    runs = study_groups()["fa2"]
+    summaries = [json.loads((EXPLODE / r.name / "summary.json").read_text()) for r in runs]
+    assert runs and tokens_per_s(runs) == statistics.median(s["tokens"] / s["time_s"] for s in summaries)
+    fp32 = tokens_per_s(study_groups()["attn-fp32"])
+    assert f"{tokens_per_s(runs) / fp32:.1f} times `fa2`'s training time per token" in bottom_line()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,6 +242,12 @@ def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
             for normed in with_it for plain in without if plain.seed == normed.seed]
 
 
+def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS) -> float:
+    """The median training tokens/s of some study runs (each alone on one H200, deterministic mode)."""
+    summaries = [explode_records(results)[r.name].summary for r in runs]
+    return statistics.median(summary["tokens"] / summary["time_s"] for summary in summaries)
+
+
 def lr_finding(results: Path = RESULTS) -> str:
     """What the learning-rate x QK-LayerNorm queue shows so far, in one Markdown paragraph that the intro and
     chapters 3 to 5 share; `StaleClaim` when a record contradicts it."""
@@ -427,6 +434,8 @@ def bottom_line(results: Path = RESULTS) -> str:
     fp32_below = [*fp32_attn, *(r for lr in ("4e-3", "1e-3")
                                 for r in grid_cell(lr, False, results)["attn-fp32"])]
     claim(not any(r.runaway for r in fp32_below), "attn-fp32: no runaway below 8e-3")
+    fp32_cost = tokens_per_s(plain_fa2, results) / tokens_per_s(fp32_attn, results)
+    claim(fp32_cost > 1, "attention in fp32 trains slower than fa2")
     claim(fp32_attn and fp32_model and all(r.steps >= 8000 and r.first_layer is None
                                            for r in (*fp32_attn, *fp32_model)),
           "attn-fp32 and model-fp32: every survival run reached 8,000 steps without a runaway")
@@ -445,7 +454,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"largest logit {min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} "
         f"that have a same-seed twin without it ended with the lower loss "
         f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one cure "
-        f"here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`): it ran "
+        f"here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`, "
+        f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran "
         f"away in none of its {len(fp32_below)} runs below four times the recipe's rate (4,000 steps at half "
         f"and twice it, {len(fp32_attn)} survival runs of 8,000 steps at it), the model with no bf16 "
         f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
