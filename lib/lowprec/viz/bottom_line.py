@@ -5,10 +5,10 @@ what is untested, where each is shown), every number counted from the committed 
 holds, so the text cannot go stale silently. `explode_records` reads every training run under
 results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, tokens per step, corpus,
 runaway, spike, explosion); `record_runs` names every run as the chapters do, `run_rows` makes their table
-rows and `early_rows` picks the earlier recipes'; `select`, `tally`, `rate`, `queue_progress`, `study_groups`
-and `shared_spikes` (`common_spikes`) count them for the chapters too; `grid_runs`, `grid_cell`, `qk_pairs`
-and `twins` read the learning-rate x QK-LayerNorm queue, and `lr_finding` words what it shows (claims checked)
-for the intro and chapters 3 to 5 alike.
+rows and `early_rows` picks the earlier recipes'; `select`, `tally`, `rate`, `queue_progress`, `study_groups`,
+`tokens_per_s` and `shared_spikes` (`common_spikes`) count them for the chapters too; `grid_runs`,
+`grid_cell`, `qk_pairs` and `twins` read the learning-rate x QK-LayerNorm queue, and `lr_finding` words what
+it shows (claims checked) for the intro and chapters 3 to 5 alike.
 """
 
 from __future__ import annotations
