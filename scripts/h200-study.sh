@@ -8,10 +8,9 @@
 #                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
 #                                  (the committed sample in place of the corpus: same model and batch), then
 #                                  `lowprec bench overhead PROBE_BENCH` (default --profile; none: skipped)
-#                                  into overhead.json,
-#                                  then PROBE_EXTRA (a command line, run with WORK set, e.g. a `lowprec bench
-#                                  attention` with --out '$WORK/bench-tma.json': bench-*.json and cures.json
-#                                  are packed too)
+#                                  into overhead.json, then PROBE_EXTRA (a command line, run with WORK set,
+#                                  e.g. a `lowprec bench attention` with --out '$WORK/bench-tma.json':
+#                                  bench-*.json and cures.json are packed too)
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue

@@ -315,9 +315,9 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"{paper_half[0]:,}-{paper_half[-1]:,} at half the rate, against "
         f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs), and before "
         f"`fa2` in each of the {len(seeds)} seeds at half the rate (its row sum and scores in bf16 too). "
-        f"A high rate is "
-        f"a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, every placement ran "
-        f"away, attention in fp32 included ({len(high)} of {len(high)} runs, one seed); at {latex(4e-3)} "
+        f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, every "
+        f"placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, one seed); at "
+        f"{latex(4e-3)} "
         f"{len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step {went[0].runaway:,}), while "
         f"every run's largest logit climbed (to {min(peak[r.name] for r in twice):,.0f}-"
         f"{max(peak[r.name] for r in twice):,.0f}) and fell back. With QK-LayerNorm none of {len(normed)} "
@@ -455,9 +455,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"that have a same-seed twin without it ended with the lower loss "
         f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one cure "
         f"here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`, "
-        f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran "
-        f"away in none of its {len(fp32_below)} runs below four times the recipe's rate (4,000 steps at half "
-        f"and twice it, {len(fp32_attn)} survival runs of 8,000 steps at it), the model with no bf16 "
+        f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran away in none of its "
+        f"{len(fp32_below)} runs below four times the recipe's rate (4,000 steps at half and twice it, "
+        f"{len(fp32_attn)} survival runs of 8,000 steps at it), the model with no bf16 "
         f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
         f"away, that contrast is significant (above); at the recipe's rate the runs are still too few to "
         f"tell. A lower learning rate is no cure on this evidence: at half the recipe's rate both bf16 "
@@ -490,8 +490,8 @@ def bottom_line(results: Path = RESULTS) -> str:
                 return f"{tally(group, 'runaway')[0]} of {len(group)}"
             if (lr, on) == (RECIPE[1], False):  # the survival runs of the grid's placements, up to 4,000
                 survived = [r for arm in GRID_PLACEMENTS for r in study_arms.get(arm, [])]
-                went = sum(r.runaway is not None and r.runaway <= 4000 for r in survived)
-                return f"{went} of {len(survived)} survival runs by step 4,000"
+                early = sum(r.runaway is not None and r.runaway <= 4000 for r in survived)
+                return f"{early} of {len(survived)} survival runs by step 4,000"
             return "not yet run"
         return "; ".join(f"{latex(lr)}: {count(lr, False)}, {count(lr, True)}"
                          for lr in sorted({lr for _, lr, _ in cells}, reverse=True))
