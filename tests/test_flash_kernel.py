@@ -444,6 +444,30 @@ def test_dispatch_reaches_the_kernel():
     assert torch.equal(via_dispatch, flash_attention(q, k, v, fix=Fix()))
 
 
+@pytest.mark.parametrize("backend", ["triton", "emulated"])
+def test_under_autocast_fp32_inputs_are_cast_as_sdpa_casts_them(backend):
+    """Under bf16 autocast, fp32 q, k, v (RoPE's q and k in a transformers model) give the output and the
+    gradients of the same inputs cast to bf16 beforehand, bit for bit; the gradients come back in fp32.
+    Without autocast, mixed dtypes stay an error."""
+    q, k, v = (torch.randn(1, 4, 40, 16, device=DEVICE) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    do = torch.randn(1, 4, 40, 16, device=DEVICE).bfloat16()
+
+    def forward_backward(*inputs):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o = attention(*leaves, backend=backend)
+        return (o, *torch.autograd.grad(o, leaves, do))
+
+    cast_first = forward_backward(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        under = forward_backward(q, k, v.bfloat16())
+    assert under[0].dtype == torch.bfloat16 and all(g.dtype == torch.float32 for g in under[1:3])
+    for got, want in zip(under, cast_first, strict=True):
+        assert torch.equal(got.bfloat16(), want)
+    with pytest.raises(ValueError, match="same dtype"):
+        attention(q, k, v.bfloat16(), backend=backend)
+
+
 def test_kernel_value_errors():
     q, k, v = (torch.randn(1, 1, 32, 16, device=DEVICE).bfloat16() for _ in range(3))
     bad_calls = [

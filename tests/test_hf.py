@@ -17,11 +17,10 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
 
-def llama(attn: str) -> torch.nn.Module:
+def llama(attn: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**CONFIG)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn,
-                                                         dtype=torch.bfloat16)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
 
 
 def tokens(batch: int = 2, seq: int = 32) -> torch.Tensor:
@@ -60,6 +59,28 @@ def test_a_training_step_runs(model):
     grads = [p.grad for p in model.parameters()]
     assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
     optimizer.step()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_under_autocast_the_kernel_and_telemetry_get_autocasts_dtype(model, monkeypatch, use_cache):
+    """An fp32 model under bf16 autocast (as `bench hf` trains): RoPE leaves q and k in fp32, and the cache
+    (use_cache) the values too; the plug-in casts them to bf16 as SDPA's inputs are cast, so the kernel and
+    telemetry see bf16, and the logits are SDPA's within bf16's rounding."""
+    seen = {"kernel": [], "telemetry": []}
+    kernel, signals = flash.flash_attention, hf.score_signals
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, **kw: seen["kernel"].append(
+        (q.dtype, k.dtype, v.dtype)) or kernel(q, k, v, **kw))
+    monkeypatch.setattr(hf, "score_signals", lambda q, k, *args: seen["telemetry"].append(
+        (q.dtype, k.dtype)) or signals(q, k, *args))
+    ids = tokens()
+    ours = llama("lowprec-test", torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with hf.Telemetry(ours):
+            logits = ours(ids, use_cache=use_cache).logits.float()
+        reference = llama("sdpa", torch.float32)(ids, use_cache=use_cache).logits.float()
+    layers = CONFIG["num_hidden_layers"]
+    assert seen == {"kernel": [(torch.bfloat16,) * 3] * layers, "telemetry": [(torch.bfloat16,) * 2] * layers}
+    torch.testing.assert_close(logits, reference, rtol=1.6e-2, atol=1e-2)
 
 
 def test_a_masked_call_is_refused_or_runs_through_sdpa_when_asked(model):

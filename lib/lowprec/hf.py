@@ -8,12 +8,13 @@
     telemetry.signals()   # {signal: [[per head] per layer]}
 
 The model computes q, k and v (RoPE applied, k and v with their own heads: grouped-query attention reaches the
-kernel as it is); a call without a mask runs causal attention (or full attention where the model asks for
-it, and for a single query), with the model's scale. The plug-in's mask function (`causal_or_sdpa_mask`)
-gives no mask for plain causal attention without a padding mask, under torch.compile too. A padding, packing
-or other mask, dropout, soft-capping, attention sinks and position biases are refused with a ValueError, or a
-masked call runs through transformers' SDPA where `masked="sdpa"`. Importing this module does not import
-transformers.
+kernel as it is; under autocast q, k and v are cast to its dtype, as SDPA's are, before the kernel and
+telemetry see them: RoPE leaves q and k in fp32 there, and a cache the values); a call without a mask runs
+causal attention (or full attention where the model asks for it, and for a single query), with the model's
+scale. The plug-in's mask function (`causal_or_sdpa_mask`) gives no mask for plain causal attention without a
+padding mask, under torch.compile too. A padding, packing or other mask, dropout, soft-capping, attention
+sinks and position biases are refused with a ValueError, or a masked call runs through transformers' SDPA
+where `masked="sdpa"`. Importing this module does not import transformers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from lowprec.attention import AttentionSpec, attention
 from lowprec.attention.fix import STAT_NAMES, AttentionStats, ties
 from lowprec.attention.plan import softmax_scale
-from lowprec.attention.reference import causal_mask, expand_kv
+from lowprec.attention.reference import autocast_qkv, causal_mask, expand_kv
 
 MASKED = ("error", "sdpa")
 REFUSED = ("softcap", "s_aux", "position_bias")  # keywords of the interface that change the softmax
@@ -68,6 +69,7 @@ class Plugin:
                     "masked='sdpa') to run masked calls through SDPA")
             return self.fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
+        query, key, value = autocast_qkv(query, key, value)  # as SDPA: RoPE's q, k are fp32 under autocast
         n_q = query.shape[2]
         causal = n_q > 1 and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
         if causal and key.shape[2] > n_q:  # a prefill into an empty static cache: SDPA's keys, too

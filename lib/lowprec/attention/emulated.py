@@ -23,7 +23,7 @@ from lowprec.attention.precision import (
     round_scores,
     round_weights,
 )
-from lowprec.attention.reference import check_qkv, expand_kv
+from lowprec.attention.reference import autocast_qkv, check_qkv, expand_kv
 from lowprec.attention.spec import DELTAS, O_FOR_DELTA
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -241,8 +241,10 @@ def emulated_attention(
     block_m / block_n: query / key tile sizes (default: precision.tile or 64). delta, o_for_delta: backward
     variants (the paper's localisation ablations). generator: random bits for stochastic rounding.
     Returns o (q's dtype); with return_lse also lse (fp32, (batch, heads, seq)); with return_stats also an
-    AttentionStats of the forward pass, in that order.
+    AttentionStats of the forward pass, in that order. Under autocast q, k and v are first cast to its dtype,
+    as torch's SDPA casts them.
     """
+    q, k, v = autocast_qkv(q, k, v)
     check_qkv(q, k, v, dtypes=DTYPES)
     if delta not in DELTAS:
         raise ValueError(f"delta must be one of {DELTAS}, got {delta!r}")

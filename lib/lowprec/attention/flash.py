@@ -33,7 +33,7 @@ from triton.runtime.errors import OutOfResources
 from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix
 from lowprec.attention.plan import plan_call
 from lowprec.attention.precision import POINTS, Precision, fits
-from lowprec.attention.reference import check_qkv
+from lowprec.attention.reference import autocast_qkv, check_qkv
 from lowprec.attention.triton_kernels import _delta, _dkdv, _dq, _fwd
 from lowprec.attention.triton_rounding import CAST_BF16, CAST_FP16, NONE, _codes
 
@@ -511,8 +511,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (default: drawn from torch's generator). block_m/block_n: fixed tile sizes (powers of two >= 16, <= 128
     on a GPU; default: Precision.tile, else 64 under the interpreter, else autotuned). Returns o (laid out
     like q); with return_lse also lse (fp32, (B, H, Nq)); with return_stats also the forward's
-    AttentionStats, in that order.
+    AttentionStats, in that order. Under autocast q, k and v are first cast to its dtype, as torch's SDPA
+    casts them.
     """
+    q, k, v = autocast_qkv(q, k, v)
     check_qkv(q, k, v, head_dims=HEAD_DIMS, dtypes=DTYPES)
     if not q.is_cuda and not INTERPRET:
         raise ValueError("flash_attention needs CUDA tensors, or TRITON_INTERPRET=1 set before lowprec is "
