@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from lowprec import cli
 from lowprec.instruments import bench_overhead
 
@@ -85,10 +86,18 @@ def test_bench_hf_compiled_smoke(tmp_path):
     assert record["args"]["compile"] == "default" and set(record["ms"]) == {"sdpa", "lowprec", "lowprec+fix"}
 
 
-def test_bench_hf_smoke_trains_each_implementation(tmp_path):
+def test_bench_hf_smoke_trains_each_implementation(tmp_path, monkeypatch):
+    """Each implementation trains and is profiled; our kernel gets bf16 q, k, v (the model's fp32 weights
+    under bf16 autocast, as SDPA's inputs are cast), never its fp32 path."""
     pytest.importorskip("transformers")
+    from lowprec.attention import flash
+
+    dtypes, kernel = set(), flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, **kw: dtypes.update(
+        (q.dtype, k.dtype, v.dtype)) or kernel(q, k, v, **kw))
     out = tmp_path / "hf.json"
     assert cli.main(["bench", "hf", "--smoke", "--profile", "--out", str(out)]) == 0
+    assert dtypes == {torch.bfloat16}
     record = json.loads(out.read_text())
     assert set(record["profile"]) == set(record["ms"]) and all(rows for rows in record["profile"].values())
     assert any("aten::mm" in r["name"] or "aten::addmm" in r["name"] for r in record["profile"]["sdpa"])
