@@ -882,6 +882,25 @@ def test_custom_op_passes_opcheck():
 
 
 @on_cpu
+@pytest.mark.parametrize("backend", ["triton/precision=consistent/fix=2", "emulated/precision=paper", "sdpa"])
+def test_attention_with_a_string_spec_compiles_without_a_graph_break(backend):
+    """attention(q, k, v, backend="<spec string>") inside a compiled function: fullgraph (a graph break is an
+    error), eager's output bit for bit with aot_eager."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=gen).bfloat16() for _ in range(3))
+
+    def call(q, k, v):
+        return attention(q, k, v, backend=backend, scale=0.25)
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+        assert torch.equal(compiled(q, k, v), call(q, k, v))
+    finally:
+        torch._dynamo.reset()
+
+
+@on_cpu
 @pytest.mark.slow
 def test_gpt_compiles_around_the_kernel_without_graph_breaks():
     """torch.compile of a GPT on the Triton backend: no graph break (the kernels are custom ops), Inductor

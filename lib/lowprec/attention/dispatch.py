@@ -6,7 +6,8 @@ dtype), k and v with fewer heads than q, Nq != Nk (causal mask aligned bottom-ri
 "reference" (float64), "math" (plain attention in the input dtype; `dtype="float32"`: in fp32, autocast off,
 cast back), "sdpa" (torch's SDPA; `sdpa_backend=` pins one of its kernels), "emulated" (`emulated_attention`)
 and "triton" (`flash_attention`).
-`spec.BACKENDS` lists the keywords each accepts.
+`spec.BACKENDS` lists the keywords each accepts. Inside torch.compile a spec, or its string, is resolved once
+while tracing (no graph break).
 """
 
 from __future__ import annotations
@@ -96,6 +97,17 @@ def sdpa_attention(
     return o if blind is None else o.masked_fill(blind, 0.0)
 
 
+@torch.compiler.assume_constant_result
+def _resolve(backend: AttentionSpec | str, keywords: tuple[str, ...]
+             ) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """(backend name, the keywords its function gets) of a spec or its string, after checking the call's
+    `keywords`; plain constants, so that torch.compile runs this once while tracing instead of building a
+    spec (a string spec compiles without a graph break)."""
+    spec = AttentionSpec.parse(backend)
+    spec.accepts(keywords)
+    return spec.backend, tuple(spec.kwargs().items())
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionSpec | str = "sdpa",
               causal: bool = True, **kw) -> torch.Tensor:
     """Attention output (q's dtype) from the named backend or spec; see the module docstring for backends and
@@ -103,16 +115,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Attent
 
     "emulated" and "triton" also take return_lse / return_stats: the result is then (o, [lse], [stats]).
     """
-    spec = AttentionSpec.parse(backend)
-    spec.accepts(kw)
-    kw = {**spec.kwargs(), **kw}
-    if spec.backend == "reference":
+    name, call = _resolve(backend, tuple(kw))
+    kw = {**dict(call), **kw}
+    if name == "reference":
         return reference_attention(q, k, v, causal, **kw)[0].to(q.dtype)
-    if spec.backend == "math":
+    if name == "math":
         return math_attention(q, k, v, causal, **kw)
-    if spec.backend == "sdpa":
+    if name == "sdpa":
         return sdpa_attention(q, k, v, causal, **kw)
-    if spec.backend == "emulated":
+    if name == "emulated":
         from lowprec.attention.emulated import emulated_attention
 
         return emulated_attention(q, k, v, causal=causal, **kw)
