@@ -209,6 +209,11 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
 GRID_PLACEMENTS = ("fa2", "paper64", "attn-fp32")  # the lr-qknorm queue's arms
 
 
+def horizon(queue: str = "lr-qknorm", results: Path = RESULTS) -> int:
+    """A study queue's horizon in steps, as its queue file sets it."""
+    return study.load_queue(Path(results) / "explode" / queue / "queue.json")["horizon"]
+
+
 def grid_runs(results: Path = RESULTS) -> dict[tuple[str, float, bool], list[RunFacts]]:
     """The lr-qknorm queue's done runs (`study_groups`) by (placement, learning rate, QK-LayerNorm on: its
     group's tag ends in "-qkln")."""
@@ -252,6 +257,7 @@ def lr_finding(results: Path = RESULTS) -> str:
     """What the learning-rate x QK-LayerNorm queue shows so far, in one Markdown paragraph that the intro and
     chapters 3 to 5 share; `StaleClaim` when a record contradicts it."""
     cells, records = grid_runs(results), explode_records(results)
+    steps_per_run = horizon("lr-qknorm", results)
     high, twice, half = ([r for group in grid_cell(lr, False, results).values() for r in group]
                          for lr in ("8e-3", "4e-3", "1e-3"))
     claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
@@ -273,11 +279,11 @@ def lr_finding(results: Path = RESULTS) -> str:
     recipe_fa2 = [r for r in study_groups("survival", results).get("fa2", []) if r.seed in seeds]
     fa2_twice = [r for r in twice if r.arm == "fa2"]
     claim(len(recipe_fa2) >= 3 and not any(r.runaway for r in recipe_fa2 + fa2_twice),
-          "fa2 in the same seeds: no runaway at the recipe's rate (8,000 steps) or at twice it (4,000)")
+          "fa2 in the same seeds: no runaway at the recipe's rate (its survival runs) or at twice it")
     fa2_half = [r for r in bf16 if r.arm == "fa2"]
     p_fa2 = fisher_p(len(fa2_half), len(fa2_half), 0, len(recipe_fa2) + len(fa2_twice))
-    claim(all(r.runaway <= 4000 for r in fa2_half) and p_fa2 < 0.01,
-          "fa2 by step 4,000: every run at 1e-3, none at 2e-3 or 4e-3 (Fisher p below 0.01)")
+    claim(all(r.runaway <= steps_per_run for r in fa2_half) and p_fa2 < 0.01,
+          "fa2 by the horizon: every run at 1e-3, none at 2e-3 or 4e-3 (Fisher p below 0.01)")
     paper_half = sorted(r.runaway for r in bf16 if r.arm == "paper64")
     paper_recipe = sorted(r.runaway for r in study_groups("survival", results).get("paper64", [])
                           if r.runaway)
@@ -300,7 +306,8 @@ def lr_finding(results: Path = RESULTS) -> str:
         return ", ".join(str(r.seed) for r in group)
 
     return (
-        f"At half the recipe's learning rate ({latex(1e-3)}, 4,000 steps per run) every bf16 run ran away "
+        f"At half the recipe's learning rate ({latex(1e-3)}, {steps_per_run:,} steps per run) every bf16 run "
+        f"ran away "
         f"({len(bf16)} of {len(bf16)} over {len(seeds)} seeds: `paper64` at steps {steps('paper64')}, `fa2` "
         f"at {steps('fa2')}; {len(stopped)} of them then reached the stop rule) and attention computed "
         f"entirely in fp32 in none of {len(fp32)} (its largest logit at most "
@@ -308,9 +315,10 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"0 of {len(fp32)} gives p = {p:.3f}: at that rate a bf16 rounding point in attention starts a "
         f"runaway that the learning rate alone does not (which rounding point, this contrast does not say: "
         f"the two bf16 placements share several, $\\bar P$ rounded for $\\bar PV$ among them). A lower rate "
-        f"brought the runaway forward: by step 4,000 `fa2` ran away in {len(fa2_half)} of {len(fa2_half)} "
-        f"runs at half the recipe's rate and in 0 of {len(recipe_fa2) + len(fa2_twice)} at the recipe's rate "
-        f"(seeds {listed(recipe_fa2)}, none by 8,000 either) and twice it (seeds {listed(fa2_twice)}), "
+        f"brought the runaway forward: by step {steps_per_run:,} `fa2` ran away in {len(fa2_half)} of "
+        f"{len(fa2_half)} runs at half the recipe's rate and in 0 of {len(recipe_fa2) + len(fa2_twice)} "
+        f"at the recipe's rate (seeds {listed(recipe_fa2)}, none by {horizon('survival', results):,} "
+        f"either) and twice it (seeds {listed(fa2_twice)}), "
         f"Fisher's exact test p = {p_fa2:.3f}; the authors' placement ran away at steps "
         f"{paper_half[0]:,}-{paper_half[-1]:,} at half the rate, against "
         f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs), and before "
@@ -416,8 +424,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"does not rule a runaway out: `fa2` keeps it in fp32 and ran away once at {SMALL:,} tokens per "
         f"step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away in both runs of its one seed (without "
         f"the stop rule). These are counts; no single run shows a cause. At the recipe's learning rate none "
-        f"of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} `attn-fp32` survival runs ran away in 8,000 "
-        f"steps.")
+        f"of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} `attn-fp32` survival runs ran away in "
+        f"{horizon('survival', results):,} steps.")
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -436,9 +444,9 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(not any(r.runaway for r in fp32_below), "attn-fp32: no runaway below 8e-3")
     fp32_cost = tokens_per_s(plain_fa2, results) / tokens_per_s(fp32_attn, results)
     claim(fp32_cost > 1, "attention in fp32 trains slower than fa2")
-    claim(fp32_attn and fp32_model and all(r.steps >= 8000 and r.first_layer is None
+    claim(fp32_attn and fp32_model and all(r.steps >= horizon("survival", results) and r.first_layer is None
                                            for r in (*fp32_attn, *fp32_model)),
-          "attn-fp32 and model-fp32: every survival run reached 8,000 steps without a runaway")
+          "attn-fp32 and model-fp32: every survival run reached the horizon without a runaway")
     cons_went = [r for r in cons_fa2 if r.runaway is not None]
     claim(cons_went and all((r.runaway is None) == (r.explosion is None) for r in cons_fa2) and plain_fa2
           and not any(r.runaway for r in plain_fa2),
@@ -456,8 +464,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one cure "
         f"here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`, "
         f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran away in none of its "
-        f"{len(fp32_below)} runs below four times the recipe's rate (4,000 steps at half and twice it, "
-        f"{len(fp32_attn)} survival runs of 8,000 steps at it), the model with no bf16 "
+        f"{len(fp32_below)} runs below four times the recipe's rate ({horizon('lr-qknorm', results):,} steps "
+        f"at half and twice it, {len(fp32_attn)} survival runs of {horizon('survival', results):,} steps at "
+        f"it), the model with no bf16 "
         f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
         f"away, that contrast is significant (above); at the recipe's rate the runs are still too few to "
         f"tell. A lower learning rate is no cure on this evidence: at half the recipe's rate both bf16 "
@@ -474,6 +483,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"evidence that it prevents the runaway.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
+    steps_per_run = horizon("lr-qknorm", results)
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
     claim(all(r.first_layer == 1 for r in went), "every survival runaway began in layer index 1")
     def onsets(group: list[RunFacts]) -> str:
@@ -488,10 +498,10 @@ def bottom_line(results: Path = RESULTS) -> str:
                      for r in cell]
             if group:
                 return f"{tally(group, 'runaway')[0]} of {len(group)}"
-            if (lr, on) == (RECIPE[1], False):  # the survival runs of the grid's placements, up to 4,000
+            if (lr, on) == (RECIPE[1], False):  # the survival runs of the grid's placements, to its horizon
                 survived = [r for arm in GRID_PLACEMENTS for r in study_arms.get(arm, [])]
-                early = sum(r.runaway is not None and r.runaway <= 4000 for r in survived)
-                return f"{early} of {len(survived)} survival runs by step 4,000"
+                early = sum(r.runaway is not None and r.runaway <= steps_per_run for r in survived)
+                return f"{early} of {len(survived)} survival runs by step {steps_per_run:,}"
             return "not yet run"
         return "; ".join(f"{latex(lr)}: {count(lr, False)}, {count(lr, True)}"
                          for lr in sorted({lr for _, lr, _ in cells}, reverse=True))
