@@ -459,3 +459,16 @@ def test_math_attention_in_fp32_casts_back():
         assert torch.equal(attention(q, k, v, backend="math/dtype=float32"), expected)
     with pytest.raises(ValueError, match="dtype must be one of"):
         attention(q, k, v, backend="math/dtype=float16")
+
+
+def test_autocast_qkv_casts_as_sdpas_inputs_are_cast():
+    """Under autocast: fp32 and fp16 to its dtype, float64 left alone (as torch's autocast leaves it);
+    without autocast, or on a device autocast does not know (meta), unchanged."""
+    from lowprec.attention.reference import autocast_qkv
+
+    q, k, v = torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4).half(), torch.ones(1, 1, 2, 4).double()
+    assert autocast_qkv(q, k, v) == (q, k, v)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert [t.dtype for t in autocast_qkv(q, k, v)] == [torch.bfloat16, torch.bfloat16, torch.float64]
+        meta = torch.empty(1, 1, 2, 4, device="meta")
+        assert autocast_qkv(meta, meta, meta) == (meta, meta, meta)

@@ -22,9 +22,10 @@ def autocast_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v in autocast's dtype where autocast is on for q's device, as torch casts SDPA's inputs
     (floating tensors other than float64); unchanged otherwise."""
-    if not isinstance(q, torch.Tensor) or not torch.is_autocast_enabled(q.device.type):
+    device = q.device.type if isinstance(q, torch.Tensor) else None
+    if not (device and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
         return q, k, v
-    dtype = torch.get_autocast_dtype(q.device.type)
+    dtype = torch.get_autocast_dtype(device)
     cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
             else t for t in (q, k, v)]
     return cast[0], cast[1], cast[2]
