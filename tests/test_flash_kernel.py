@@ -635,7 +635,7 @@ def test_direct_launch_is_bit_identical_and_skips_triton(monkeypatch):
     assert flash.DIRECT is True
 
 
-def test_signature_is_at_least_as_fine_as_tritons_specialisation():
+def test_signature_is_at_least_as_fine_as_tritons_specialisation(monkeypatch):
     """Launches share a binary only when Triton would specialise them alike: same dtypes and 16-byte
     alignment of every tensor, same (== 1, % 16 == 0, int32) of every int, tuples item by item."""
     from lowprec.attention import flash
@@ -650,9 +650,15 @@ def test_signature_is_at_least_as_fine_as_tritons_specialisation():
     assert sig((x, 16, (2, 0.5))) != sig((x, 16.0, (2.0, 0.5))), "an int and a float of one value"
     with pytest.raises(TypeError, match="tensor inside a tuple"):
         sig(((x, 1),))
+    with pytest.raises(TypeError, match="after the numbers"):
+        sig((1, x))
     with flash.direct_launch(False):
         assert not flash.DIRECT
     assert flash.DIRECT
+    monkeypatch.setattr(flash, "_CLASSES", {})
+    monkeypatch.setattr(flash, "CLASSES_KEPT", 3)
+    kept = [sig((x, n)) for n in range(10)]
+    assert len(flash._CLASSES) <= 3 and kept == [sig((x, n)) for n in range(10)], "bounded, same answers"
 
 
 def test_direct_keeps_a_binary_per_slot_and_passes_every_parameter(monkeypatch):

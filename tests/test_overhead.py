@@ -130,3 +130,17 @@ def test_bench_hf_impls_need_the_reference(capsys):
     assert "--impls must include sdpa" in capsys.readouterr().err
     assert cli.main(["bench", "hf", "--smoke", "--impls", "flash"]) == 2
     assert "argument --impls: must be a comma list of sdpa, lowprec, lowprec+fix" in capsys.readouterr().err
+
+
+def test_host_path_script_times_our_python_with_stub_kernels():
+    """scripts/host_path.py (the GPU's launch path, kernels stubbed) runs on the CPU and prints both modes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "lib")}
+    out = subprocess.run([sys.executable, str(root / "scripts" / "host_path.py"), "--calls", "5"], env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert [line.split()[0] for line in out.splitlines()] == ["fwd", "fwd+bwd"] and "us per call" in out

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import marshal
 import os
 import re
 import subprocess
@@ -215,41 +216,52 @@ def _tma(*tensors: torch.Tensor) -> bool:
 
 
 def _signature(args: tuple) -> tuple:
-    """What Triton specialises a launch on, or finer: per tensor its dtype and 16-byte alignment, per int
-    (inside tuples too) whether it is 1, a multiple of 16 and within int32; floats not at all. Launches with
-    one signature share one compiled binary. The other arguments' part is kept per distinct values and
-    types (`_classes`), so a launch like an earlier one pays for its tensors only."""
-    tensors, rest, types = [], [], []
+    """What Triton specialises a launch on, or finer: per tensor (the leading arguments) its dtype and
+    16-byte alignment, per int after them (inside tuples too) whether it is 1, a multiple of 16 and within
+    int32; floats not at all. Launches with one signature share one compiled binary. The other arguments'
+    part is kept per their exact values and types (`_classes`), so a launch like an earlier one pays for its
+    tensors only."""
+    n = 0
     for arg in args:
-        if isinstance(arg, torch.Tensor):
-            tensors.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        else:
-            rest.append(arg)
-            types.append(tuple(map(type, arg)) if type(arg) is tuple else type(arg))  # 1 == 1.0: keep both
-    return (*tensors, _classes(tuple(rest), tuple(types)))
+        if not isinstance(arg, torch.Tensor):
+            break
+        n += 1
+    return (*[(t.dtype, t.data_ptr() % 16 == 0) for t in args[:n]], _classes(args[n:]))
 
 
-@functools.lru_cache(maxsize=4096)
-def _classes(values: tuple, types: tuple) -> tuple:
-    """`_signature`'s part for the arguments that are not tensors (ints and floats, or tuples of them; their
-    `types` only key the cache)."""
-    out = []
-    for arg in values:
-        for item in arg if isinstance(arg, tuple) else (arg,):
-            if isinstance(item, torch.Tensor):
-                raise TypeError("a kernel argument holds a tensor inside a tuple: pass it on its own")
-            if isinstance(item, int):
-                out.append((item == 1, item % 16 == 0, -INT32_MAX - 1 <= item <= INT32_MAX))
-            else:
-                out.append(type(item))
-    return tuple(out)
+_CLASSES: dict[bytes, tuple] = {}  # `_classes`' results by their arguments' marshal bytes (values and types)
+CLASSES_KEPT = 4096
+
+
+def _classes(rest: tuple) -> tuple:
+    """`_signature`'s part for the arguments after the tensors (ints and floats, or tuples of them), kept by
+    their marshal bytes, which tell 1 from 1.0 (at most CLASSES_KEPT kept; then they start again)."""
+    try:
+        key = marshal.dumps(rest, 2)  # version 2: no back-references, so equal values give equal bytes
+    except ValueError:
+        raise TypeError("a kernel argument holds a tensor inside a tuple or after the numbers: pass the "
+                        "tensors first, each on its own") from None
+    out = _CLASSES.get(key)
+    if out is None:
+        out = []
+        for arg in rest:
+            for item in arg if isinstance(arg, tuple) else (arg,):
+                if isinstance(item, int):
+                    out.append((item == 1, item % 16 == 0, -INT32_MAX - 1 <= item <= INT32_MAX))
+                else:
+                    out.append(type(item))
+        if len(_CLASSES) >= CLASSES_KEPT:
+            _CLASSES.clear()
+        out = _CLASSES[key] = tuple(out)
+    return out
 
 
 def _direct(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], args: tuple, kwargs: dict
             ) -> None:
     """Launch `kernel` as kernel[grid](*args, **kwargs) would: the first launch of a (key, `_signature`,
     current device, Triton's debug and instrumentation settings) goes through Triton and keeps the binary it
-    returns (loaded on that device), later ones call that binary with every parameter in order."""
+    returns (loaded on that device) with the values of the kernel's parameters after `args` (`kwargs`, fixed
+    by `key`), later ones call that binary with every parameter in order."""
     slot = (key, _signature(args), torch.cuda.current_device(),  # and the options Triton reads at each launch
             triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
     found = _compiled.get(slot)
@@ -257,10 +269,10 @@ def _direct(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], 
         compiled = kernel[grid](*args, **kwargs)
         names = kernel.arg_names[len(args):]
         if all(name in kwargs for name in names):  # else (a defaulted parameter) always through Triton
-            _compiled[slot] = (compiled, names)
+            _compiled[slot] = (compiled, tuple(kwargs[name] for name in names))
     else:
-        compiled, names = found
-        compiled[grid](*args, *(kwargs[name] for name in names))
+        compiled, rest = found
+        compiled[grid](*args, *rest)
 
 
 def _run(kernel: triton.JITFunction, key: tuple, grid: tuple[int, int, int], args: tuple, kwargs: dict
