@@ -83,6 +83,18 @@ def test_under_autocast_the_kernel_and_telemetry_get_autocasts_dtype(model, monk
     torch.testing.assert_close(logits, reference, rtol=1.6e-2, atol=1e-2)
 
 
+def test_greedy_generation_under_autocast_gives_sdpas_tokens(model):
+    """model.generate through the plug-in (a prefill, then one query a step against the key/value cache),
+    fp32 weights under bf16 autocast: SDPA's greedy tokens."""
+    ids = tokens(seq=8)
+    out = {}
+    for attn in ("lowprec-test", "sdpa"):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out[attn] = llama(attn, torch.float32).eval().generate(ids, max_new_tokens=12, do_sample=False,
+                                                                  pad_token_id=0)
+    assert out["lowprec-test"].shape == (2, 20) and torch.equal(out["lowprec-test"], out["sdpa"])
+
+
 def test_a_masked_call_is_refused_or_runs_through_sdpa_when_asked(model):
     """A padding mask raises a ValueError that says what to do; with masked="sdpa" the same call gives SDPA's
     logits. A mask of ones is no mask."""
