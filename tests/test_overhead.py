@@ -144,3 +144,32 @@ def test_host_path_script_times_our_python_with_stub_kernels():
     out = subprocess.run([sys.executable, str(root / "scripts" / "host_path.py"), "--calls", "5"], env=env,
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert [line.split()[0] for line in out.splitlines()] == ["fwd", "fwd+bwd"] and "us per call" in out
+
+
+def test_a_missing_optional_package_is_one_line(monkeypatch, capsys):
+    """`lowprec bench hf` without transformers: one line naming the package and its extra, no traceback;
+    another missing module still raises."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without(missing):
+        def imported(name, *args, **kwargs):
+            if name.split(".")[0] == missing:
+                raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+            return real_import(name, *args, **kwargs)
+        return imported
+
+    monkeypatch.setattr(builtins, "__import__", without("transformers"))
+    assert cli.main(["bench", "hf", "--smoke"]) == 2
+    err = capsys.readouterr().err
+    assert err == "lowprec bench hf: needs the optional package transformers: pip install 'lowprec[hf]'\n"
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    from lowprec.instruments import bench_hf
+
+    def broken(args):
+        raise ModuleNotFoundError("No module named 'lowprec_missing'", name="lowprec_missing")
+
+    monkeypatch.setattr(bench_hf, "run", broken)
+    with pytest.raises(ModuleNotFoundError):  # not an optional package: a bug, with its traceback
+        cli.main(["bench", "hf", "--smoke"])

@@ -109,6 +109,8 @@ def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, labe
     parser.set_defaults(_module=module, _label=label)
 
 
+# pyproject.toml's optional packages -> their extra (a command that needs a missing one says so in one line)
+OPTIONAL = {"triton": "triton", "tiktoken": "gpt2", "tiktoken_ext": "gpt2", "transformers": "hf"}
 PARENT_ENV = "LOWPREC_PARENT_PID"  # set by a harness that starts commands (`instruments.explode.launch`)
 PR_SET_PDEATHSIG = 1
 
@@ -143,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"lowprec: {args._missing}\n")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ModuleNotFoundError) as exc:
         if args.traceback or os.environ.get("LOWPREC_TRACEBACK", "") not in ("", "0"):
             raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, ModuleNotFoundError):
+            package = (exc.name or "").split(".")[0]
+            if package not in OPTIONAL:
+                raise
+            message = f"needs the optional package {package}: pip install 'lowprec[{OPTIONAL[package]}]'"
+        else:
+            message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"{args._label}: {message}", file=sys.stderr)
         return 2
 
