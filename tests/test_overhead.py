@@ -173,3 +173,19 @@ def test_a_missing_optional_package_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(bench_hf, "run", broken)
     with pytest.raises(ModuleNotFoundError):  # not an optional package: a bug, with its traceback
         cli.main(["bench", "hf", "--smoke"])
+
+
+def test_a_command_whose_module_needs_a_missing_optional_package_is_one_line(monkeypatch, tmp_path, capsys):
+    """A command whose module imports a missing optional package at its top stops before parsing its
+    arguments (an unknown one included), in one line naming the package and its extra."""
+    (tmp_path / "lowprec_needs_hf.py").write_text("import transformers_missing_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.OPTIONAL, "transformers_missing_here", "hf")
+    monkeypatch.setitem(cli.COMMANDS["bench"], "needs-hf", ("lowprec_needs_hf", "a command that needs it"))
+    assert cli.main(["bench", "needs-hf", "--any"]) == 2
+    assert capsys.readouterr().err == ("lowprec bench needs-hf: needs the optional package "
+                                       "transformers_missing_here: pip install 'lowprec[hf]'\n")
+    monkeypatch.setitem(cli.COMMANDS["bench"], "gone", ("lowprec.instruments.gone_here", "a removed command"))
+    assert cli.main(["bench", "gone", "--any"]) == 2
+    assert capsys.readouterr().err == ("lowprec: 'lowprec bench gone' is not available in this version "
+                                       "(lowprec.instruments.gone_here is missing)\n")

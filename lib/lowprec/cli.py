@@ -55,6 +55,15 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
 }
 
 
+# pyproject.toml's optional packages -> their extra (a command that needs a missing one says so in one line)
+OPTIONAL = {"triton": "triton", "tiktoken": "gpt2", "tiktoken_ext": "gpt2", "transformers": "hf"}
+
+
+def needs(package: str) -> str:
+    """The one line for a missing optional package."""
+    return f"needs the optional package {package}: pip install 'lowprec[{OPTIONAL[package]}]'"
+
+
 class Commands(argparse._SubParsersAction):
     """Subcommands whose parsers are configured by their module (`configure(parser)`) only when chosen."""
 
@@ -67,10 +76,13 @@ class Commands(argparse._SubParsersAction):
             try:
                 importlib.import_module(defaults["_module"]).configure(chosen)
             except ModuleNotFoundError as exc:
-                if not exc.name or not defaults["_module"].startswith(exc.name):
-                    raise
-                chosen.set_defaults(_missing=f"'{defaults['_label']}' is not available in this version "
-                                    f"({defaults['_module']} is missing)")
+                package = (exc.name or "").split(".")[0]
+                if package in OPTIONAL:
+                    raise ArgumentsError(f"{defaults['_label']}: {needs(package)}") from None
+                if exc.name and defaults["_module"].startswith(exc.name):
+                    raise ArgumentsError(f"lowprec: '{defaults['_label']}' is not available in this version "
+                                         f"({defaults['_module']} is missing)") from None
+                raise
         super().__call__(parser, namespace, values, option_string)
 
 
@@ -109,8 +121,6 @@ def add_command(sub: argparse._SubParsersAction, name: str, entry: Command, labe
     parser.set_defaults(_module=module, _label=label)
 
 
-# pyproject.toml's optional packages -> their extra (a command that needs a missing one says so in one line)
-OPTIONAL = {"triton": "triton", "tiktoken": "gpt2", "tiktoken_ext": "gpt2", "transformers": "hf"}
 PARENT_ENV = "LOWPREC_PARENT_PID"  # set by a harness that starts commands (`instruments.explode.launch`)
 PR_SET_PDEATHSIG = 1
 
@@ -141,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if getattr(args, "_missing", None):
-        parser.exit(2, f"lowprec: {args._missing}\n")
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, OSError, ModuleNotFoundError) as exc:
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             package = (exc.name or "").split(".")[0]
             if package not in OPTIONAL:
                 raise
-            message = f"needs the optional package {package}: pip install 'lowprec[{OPTIONAL[package]}]'"
+            message = needs(package)
         else:
             message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"{args._label}: {message}", file=sys.stderr)
