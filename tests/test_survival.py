@@ -141,7 +141,6 @@ def test_lr_sweep_counts_runaways_by_series_and_rate() -> None:
     assert len({t.line.color for t in shares}) == 2 and fig.layout.xaxis.type == "log"
 
 
-
 def test_lr_sweep_reads_a_longer_run_up_to_the_horizon() -> None:
     """A 2,000-step run in a 1,000-step grid: its runaway after the horizon does not count, and its loss is
     the one logged at the horizon, not its last."""

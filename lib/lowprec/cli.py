@@ -59,8 +59,11 @@ COMMANDS: dict[str, Command | dict[str, Command]] = {
 OPTIONAL = {"triton": "triton", "tiktoken": "gpt2", "tiktoken_ext": "gpt2", "transformers": "hf"}
 
 
-def needs(package: str) -> str:
-    """The one line for a missing optional package."""
+def missing_optional(exc: ModuleNotFoundError) -> str | None:
+    """The one line for a missing optional package, or None where the missing module is not one."""
+    package = (exc.name or "").split(".")[0]
+    if package not in OPTIONAL:
+        return None
     return f"needs the optional package {package}: pip install 'lowprec[{OPTIONAL[package]}]'"
 
 
@@ -76,9 +79,8 @@ class Commands(argparse._SubParsersAction):
             try:
                 importlib.import_module(defaults["_module"]).configure(chosen)
             except ModuleNotFoundError as exc:
-                package = (exc.name or "").split(".")[0]
-                if package in OPTIONAL:
-                    raise ArgumentsError(f"{defaults['_label']}: {needs(package)}") from None
+                if (needs := missing_optional(exc)) is not None:
+                    raise ArgumentsError(f"{defaults['_label']}: {needs}") from None
                 if exc.name and defaults["_module"].startswith(exc.name):
                     raise ArgumentsError(f"lowprec: '{defaults['_label']}' is not available in this version "
                                          f"({defaults['_module']} is missing)") from None
@@ -157,10 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.traceback or os.environ.get("LOWPREC_TRACEBACK", "") not in ("", "0"):
             raise
         if isinstance(exc, ModuleNotFoundError):
-            package = (exc.name or "").split(".")[0]
-            if package not in OPTIONAL:
+            message = missing_optional(exc)
+            if message is None:
                 raise
-            message = needs(package)
         else:
             message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"{args._label}: {message}", file=sys.stderr)

@@ -26,6 +26,7 @@ from lowprec.checks import comma_list
 from lowprec.instruments.bench_overhead import (
     COMPILE_MODES,
     first_step,
+    op_lines,
     op_profile,
     time_steps,
     under_compile,
@@ -133,6 +134,5 @@ def run(args: argparse.Namespace) -> int:
     own = "self_device_us" if device == "cuda" else "self_host_us"
     for name, rows in record.get("profile", {}).items():
         print(f"{name}: one step's ops by own {own.split('_')[1]} time (us)")
-        for r in rows:
-            print(f"  {r[own]:>10,.0f}  x{r['calls']:<5} {r['name'][:90]}")
+        print("\n".join(op_lines(rows, (own,))))
     return 0

@@ -130,6 +130,12 @@ def op_profile(fn: Callable[[], object], device: str, calls: int = 1, top: int =
              "self_device_us": round(e.self_device_time_total / calls, 1)} for e in rows]
 
 
+def op_lines(rows: list[dict], keys: tuple[str, ...]) -> list[str]:
+    """`op_profile`'s rows as text, one line each: the `keys` columns (microseconds), calls and the op."""
+    return ["  " + " ".join(f"{r[key]:>10,.1f}" for key in keys) + f"  x{r['calls']:<5} {r['name'][:80]}"
+            for r in rows]
+
+
 def host_profile(fn: Callable[[], object], calls: int, top: int = 20) -> list[dict]:
     """The `top` functions by own host time over `calls` calls of `fn` (cProfile, after one untimed call):
     "function" (file:line(name), the path from lowprec/, torch/ or triton/ on), calls per call of `fn`, own
@@ -307,7 +313,6 @@ def table(record: dict) -> str:
         lines.append(f"step compiled ({step['compile']}) {name}: {error}")
     for name, rows in record.get("profile", {}).get("ops", {}).items():
         lines.append(f"one fwd+bwd call, {name}: torch ops by own host time (us per call; device us)")
-        lines += [f"  {r['self_host_us']:>8,.1f} {r['self_device_us']:>8,.1f}  x{r['calls']:<5} "
-                  f"{r['name'][:80]}" for r in rows]
+        lines += op_lines(rows, ("self_host_us", "self_device_us"))
     lines.append(f"summary: {record['summary']}")
     return "\n".join(lines)

@@ -209,6 +209,7 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
 GRID_PLACEMENTS = ("fa2", "paper64", "attn-fp32")  # the lr-qknorm queue's arms
 
 
+@functools.cache
 def horizon(queue: str = "lr-qknorm", results: Path = RESULTS) -> int:
     """A study queue's horizon in steps, as its queue file sets it."""
     return study.load_queue(Path(results) / "explode" / queue / "queue.json")["horizon"]
@@ -366,6 +367,7 @@ def bottom_line(results: Path = RESULTS) -> str:
     record contradicts a claim."""
     results = Path(results)
     runs = explode_runs(results)
+    survival_steps, grid_steps = horizon("survival", results), horizon("lr-qknorm", results)
     paper, fa2 = select(runs, "paper64"), select(runs, "fa2")
     for arm, group in (("paper64", paper), ("fa2", fa2)):
         claim(len(group) == 3 and len({r.seed for r in group}) == 3, f"{arm}: three seeds at 32k")
@@ -425,7 +427,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away in both runs of its one seed (without "
         f"the stop rule). These are counts; no single run shows a cause. At the recipe's learning rate none "
         f"of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} `attn-fp32` survival runs ran away in "
-        f"{horizon('survival', results):,} steps.")
+        f"{survival_steps:,} steps.")
 
     exploded = [r for r in runs.values() if r.explosion is not None]
     claim(all(r.runaway is not None and r.runaway < r.explosion for r in exploded),
@@ -444,7 +446,7 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(not any(r.runaway for r in fp32_below), "attn-fp32: no runaway below 8e-3")
     fp32_cost = tokens_per_s(plain_fa2, results) / tokens_per_s(fp32_attn, results)
     claim(fp32_cost > 1, "attention in fp32 trains slower than fa2")
-    claim(fp32_attn and fp32_model and all(r.steps >= horizon("survival", results) and r.first_layer is None
+    claim(fp32_attn and fp32_model and all(r.steps >= survival_steps and r.first_layer is None
                                            for r in (*fp32_attn, *fp32_model)),
           "attn-fp32 and model-fp32: every survival run reached the horizon without a runaway")
     cons_went = [r for r in cons_fa2 if r.runaway is not None]
@@ -464,8 +466,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one cure "
         f"here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`, "
         f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran away in none of its "
-        f"{len(fp32_below)} runs below four times the recipe's rate ({horizon('lr-qknorm', results):,} steps "
-        f"at half and twice it, {len(fp32_attn)} survival runs of {horizon('survival', results):,} steps at "
+        f"{len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps "
+        f"at half and twice it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at "
         f"it), the model with no bf16 "
         f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
         f"away, that contrast is significant (above); at the recipe's rate the runs are still too few to "
@@ -483,7 +485,6 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"evidence that it prevents the runaway.")
 
     lr_done, lr_total, _ = queue_progress(results / "explode" / "lr-qknorm" / "queue.json")
-    steps_per_run = horizon("lr-qknorm", results)
     went = [r for group in study_arms.values() for r in group if r.runaway is not None]
     claim(all(r.first_layer == 1 for r in went), "every survival runaway began in layer index 1")
     def onsets(group: list[RunFacts]) -> str:
@@ -500,8 +501,8 @@ def bottom_line(results: Path = RESULTS) -> str:
                 return f"{tally(group, 'runaway')[0]} of {len(group)}"
             if (lr, on) == (RECIPE[1], False):  # the survival runs of the grid's placements, to its horizon
                 survived = [r for arm in GRID_PLACEMENTS for r in study_arms.get(arm, [])]
-                early = sum(r.runaway is not None and r.runaway <= steps_per_run for r in survived)
-                return f"{early} of {len(survived)} survival runs by step {steps_per_run:,}"
+                early = sum(r.runaway is not None and r.runaway <= grid_steps for r in survived)
+                return f"{early} of {len(survived)} survival runs by step {grid_steps:,}"
             return "not yet run"
         return "; ".join(f"{latex(lr)}: {count(lr, False)}, {count(lr, True)}"
                          for lr in sorted({lr for _, lr, _ in cells}, reverse=True))
