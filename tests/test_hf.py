@@ -164,6 +164,73 @@ def test_telemetry_counts_each_layers_signals(model, monkeypatch):
     assert signals["max_logit"][0] == s.amax((0, 2, 3)).tolist()
 
 
+SMALL = dict(CONFIG, num_key_value_heads=4, pad_token_id=0)
+SEQ2SEQ = dict(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+               max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+FAMILIES = {  # config, its arguments, auto class, the causal flag of each attention call in order
+    "qwen2": ("Qwen2Config", dict(SMALL, num_key_value_heads=2), "CausalLM", [True] * 2),
+    "qwen3": ("Qwen3Config", dict(SMALL, num_key_value_heads=2, head_dim=16), "CausalLM", [True] * 2),
+    "gemma2": ("Gemma2Config", dict(SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=None, final_logit_softcapping=None), "CausalLM",
+               [True] * 2),
+    "phi": ("PhiConfig", SMALL, "CausalLM", [True] * 2),
+    "gpt_neox": ("GPTNeoXConfig", SMALL, "CausalLM", [True] * 2),
+    "gpt2": ("GPT2Config", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), "CausalLM", [True] * 2),
+    "bert": ("BertConfig", dict(SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "MaskedLM",
+             [False] * 2),
+    "bart": ("BartConfig", SEQ2SEQ, "Seq2SeqLM", [False, True, False]),  # encoder, decoder, cross-attention
+}
+
+
+def family_model(family: str, attn: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
+    config, kwargs, auto, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    auto = getattr(transformers, f"AutoModelFor{auto}")
+    config = getattr(transformers, config)(**kwargs | overrides)
+    return auto.from_config(config, attn_implementation=attn, dtype=dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_give_sdpas_logits_and_gradients(model, monkeypatch, family):
+    """Other model families (grouped heads, biases, QK-norm, partial rotary, the model's own scale, GPT-2's
+    attention, an encoder, an encoder-decoder's cross-attention with fewer queries than keys): every attention
+    call reaches the kernel, causal where the model is; logits within bf16's rounding of SDPA's, and one
+    step's gradients (fp32 weights, bf16 autocast) within 2% of SDPA's."""
+    seen = []
+    kernel = flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda q, k, v, **kw: seen.append(
+        (kw["causal"], kw["scale"])) or kernel(q, k, v, **kw))
+    ids = tokens(seq=24)
+    inputs = dict(input_ids=ids, labels=ids) if family != "bart" else dict(
+        input_ids=ids, decoder_input_ids=ids[:, :10], labels=ids[:, :10].contiguous())
+    logits, grads = {}, {}
+    for attn in ("lowprec-test", "sdpa"):
+        with torch.no_grad():
+            logits[attn] = family_model(family, attn, torch.bfloat16).eval()(**inputs).logits.float()
+        trained = family_model(family, attn, torch.float32).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trained(**inputs).loss.backward()
+        grads[attn] = torch.cat([p.grad.flatten() for p in trained.parameters() if p.grad is not None])
+    calls = FAMILIES[family][3]
+    assert [causal for causal, _ in seen] == calls * 2  # evaluation, then the training step's forward
+    if family == "gemma2":  # its scale is query_pre_attn_scalar ** -0.5, not head_dim ** -0.5
+        assert {scale for _, scale in seen} == {24 ** -0.5}
+    torch.testing.assert_close(logits["lowprec-test"], logits["sdpa"], rtol=1.6e-2, atol=1e-2)
+    assert (grads["lowprec-test"] - grads["sdpa"]).norm() < 0.02 * grads["sdpa"].norm()
+
+
+def test_dropout_is_refused_naming_the_configs_attribute(model):
+    """Attention dropout in training is refused in one line that names the family's config attribute."""
+    ids = tokens(seq=8)
+    for family, name in (("gpt2", "attn_pdrop"), ("qwen2", "attention_dropout")):
+        with pytest.raises(ValueError, match=f"config's {name} to 0"):
+            family_model(family, "lowprec-test", torch.float32, **{name: 0.1}).train()(ids)
+        with torch.no_grad():
+            family_model(family, "lowprec-test", torch.float32, **{name: 0.1}).eval()(ids)  # none in eval
+
+
 def test_register_refuses_transformers_names_and_unknown_options():
     for kwargs, words in (({"name": "sdpa"}, "transformers' own"), ({"masked": "pad"}, "masked must"),
                           ({"spec": "triton/fix=0.5"}, "beta")):

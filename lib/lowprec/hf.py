@@ -32,6 +32,8 @@ from lowprec.attention.reference import autocast_qkv, causal_mask, expand_kv
 
 MASKED = ("error", "sdpa")
 REFUSED = ("softcap", "s_aux", "position_bias")  # keywords of the interface that change the softmax
+# the config attribute of attention dropout, by family (Llama, GPT-2, BERT, ...)
+DROPOUT_NAMES = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 SCORE_SIGNALS = ("max_logit", "tie_rows", "near_tie_rows")
 SCORES_PER_CHUNK = 1 << 24  # scores held at once while telemetry measures a call
 
@@ -53,8 +55,8 @@ class Plugin:
         """transformers' attention function: q (B, H, Nq, D), k and v (B, H_kv, Nk, D); returns the output as
         (B, Nq, H, D) and no weights, as its SDPA function does."""
         if dropout:
-            raise ValueError(f"attention {self.name!r} has no dropout, got dropout={dropout}: set the "
-                             "model's attention_dropout to 0")
+            raise ValueError(f"attention {self.name!r} has no dropout, got dropout={dropout}: set the model "
+                             f"config's {dropout_name(module, dropout)} to 0 (or call model.eval())")
         refused = [name for name in REFUSED if kwargs.get(name) is not None]
         if refused:
             raise ValueError(f"attention {self.name!r} does not take {refused}; use "
@@ -83,6 +85,13 @@ class Plugin:
             if self.probe is not None:
                 self.probe(module, query, key, causal, scaling, None)
         return o.transpose(1, 2).contiguous(), None
+
+
+def dropout_name(module: torch.nn.Module, dropout: float) -> str:
+    """The name of the attention dropout in `module`'s config (families name it differently), for messages."""
+    config = getattr(module, "config", None)
+    names = [name for name in DROPOUT_NAMES if getattr(config, name, None) == dropout]
+    return names[0] if names else "attention dropout"
 
 
 PLUGINS: dict[str, Plugin] = {}
