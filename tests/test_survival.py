@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,30 @@ def test_kaplan_meier_matches_the_textbook_curve() -> None:
 
 
 def test_log_rank_matches_the_textbook_chi_square() -> None:
+    """21 runs against 21: more splits than LOG_RANK_EXACT_SPLITS, so chi²'s p."""
     chi2, p = log_rank(MP6, PLACEBO)
     assert chi2 == pytest.approx(16.79, abs=0.01)
     assert p == pytest.approx(4.17e-5, rel=0.01)
     assert log_rank(PLACEBO, MP6)[0] == pytest.approx(chi2)  # symmetric
     assert log_rank(([5, 5], [False, False]), ([5], [False])) == (0.0, 1.0)  # no event anywhere
+
+
+def test_log_rank_is_exact_for_few_runs() -> None:
+    """Few runs: p is the share of the pooled runs' splits whose chi² is at least the observed one. 2 against
+    2 runs, every event of one group first: the 2 extreme of 6 splits; 8 against 8: 2 of 12,870; events at one
+    step only: Fisher's exact test (the tea-tasting table, 34/70); 2 of 8 runaways against none: Fisher's
+    7/15, where chi²'s approximation (0.14) would overstate the evidence threefold."""
+    first, last = ([1, 2], [True, True]), ([3, 4], [True, True])
+    assert log_rank(first, last)[1] == pytest.approx(2 / 6) == log_rank(last, first)[1]
+    early, calm = ([100 * i for i in range(1, 9)], [True] * 8), ([8000] * 8, [False] * 8)
+    assert log_rank(early, calm)[1] == pytest.approx(2 / 12870)
+    tea = log_rank(([10, 10, 10, 20], [True, True, True, False]),
+                   ([10, 20, 20, 20], [True, False, False, False]))
+    assert tea[1] == pytest.approx(fisher_p(3, 4, 1, 4)) == pytest.approx(34 / 70)
+    two = ([3000, 6650] + [8000] * 6, [True, True] + [False] * 6)
+    chi2, p = log_rank(two, calm)
+    assert p == pytest.approx(fisher_p(2, 8, 0, 8)) == pytest.approx(7 / 15)
+    assert math.erfc(math.sqrt(chi2 / 2)) < 0.15 < p
 
 
 def test_fisher_exact_matches_hand_counts() -> None:

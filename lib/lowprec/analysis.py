@@ -3,8 +3,8 @@ per-head t-scores of the δ error, the paper's signature, the logits' onsets (ru
 `first_over`, `first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a
 run's events, recipe and name (`outcomes`, `recipe`, `recipe_label`, `split_name`), several experiment
 folders' runs at once (`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line
-run summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, `wilson`,
-`survival_table`) and a learning-rate grid's (`lr_sweep`).
+run summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, exact for few
+runs, `wilson`, `survival_table`) and a learning-rate grid's (`lr_sweep`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -12,6 +12,7 @@ kernel code, so a chapter that only reads results stays fast.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -399,23 +400,46 @@ def kaplan_meier(times: list[int], events: list[bool]) -> list[tuple[int, float]
     return curve
 
 
-def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -> tuple[float, float]:
-    """(chi², p) of the log-rank test that two groups' (times, events) share one survival curve (1 degree
-    of freedom; p = 1 when neither group has an event)."""
-    (ta, ea), (tb, eb) = a, b
-    observed = expected = variance = 0.0
-    for t in sorted({t for t, e in zip(ta + tb, ea + eb, strict=True) if e}):
-        na, nb = sum(u >= t for u in ta), sum(u >= t for u in tb)
-        da = sum(1 for u, e in zip(ta, ea, strict=True) if e and u == t)
-        d = da + sum(1 for u, e in zip(tb, eb, strict=True) if e and u == t)
-        n = na + nb
-        observed += da
-        expected += d * na / n
-        variance += d * (na / n) * (nb / n) * (n - d) / max(n - 1, 1)
-    if variance == 0:
-        return 0.0, 1.0
+LOG_RANK_EXACT_SPLITS = 1_000_000  # pooled runs' splits into the two groups' sizes enumerated up to this many
+
+
+def log_rank_statistic(times: list[int], events: list[bool], in_a: torch.Tensor) -> torch.Tensor:
+    """The log-rank chi² (1 degree of freedom) of the pooled runs' (times, events) split into groups by each
+    row of `in_a` (splits, runs; True: group a), as (splits,) float64; 0 where the variance is 0."""
+    t = torch.tensor(times, dtype=torch.float64)
+    e = torch.tensor(events, dtype=torch.bool)
+    moments = torch.tensor(sorted(set(t[e].tolist())), dtype=torch.float64)  # event times (K,)
+    at_risk = (t[None, :] >= moments[:, None]).double()                          # (K, runs)
+    died = (e[None, :] & (t[None, :] == moments[:, None])).double()              # (K, runs)
+    n, d = at_risk.sum(1), died.sum(1)                                           # (K,)
+    share = in_a.double() @ at_risk.T / n                                        # (splits, K): n_a / n
+    observed = (in_a.double() @ died.T).sum(1)
+    expected = (d * share).sum(1)
+    variance = (d * share * (1 - share) * (n - d) / (n - 1).clamp(min=1)).sum(1)
     chi2 = (observed - expected) ** 2 / variance
-    return chi2, math.erfc(math.sqrt(chi2 / 2))
+    return torch.where(variance > 0, chi2, torch.zeros_like(chi2))
+
+
+def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -> tuple[float, float]:
+    """(chi², p) of the log-rank test that two groups' (times, events) share one survival curve. p is exact
+    where the pooled runs have at most LOG_RANK_EXACT_SPLITS splits into groups of a's and b's sizes (the
+    share of splits whose chi² is at least the observed one: a permutation test, valid for a few runs per
+    arm), else chi²'s with 1 degree of freedom; p = 1 when neither group has an event."""
+    (ta, ea), (tb, eb) = a, b
+    times, events = list(ta) + list(tb), list(ea) + list(eb)
+    runs, size = len(times), len(ta)
+    chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
+    if not any(events):
+        return 0.0, 1.0
+    if math.comb(runs, size) > LOG_RANK_EXACT_SPLITS:
+        return chi2, math.erfc(math.sqrt(chi2 / 2))
+    at_least = 0
+    splits = itertools.combinations(range(runs), size)
+    while chunk := list(itertools.islice(splits, 50_000)):
+        in_a = torch.zeros(len(chunk), runs, dtype=torch.bool)
+        in_a[torch.arange(len(chunk))[:, None], torch.tensor(chunk, dtype=torch.long)] = True
+        at_least += int((log_rank_statistic(times, events, in_a) >= chi2 * (1 - 1e-9)).sum())
+    return chi2, at_least / math.comb(runs, size)
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
