@@ -164,6 +164,38 @@ def test_telemetry_counts_each_layers_signals(model, monkeypatch):
     assert signals["max_logit"][0] == s.amax((0, 2, 3)).tolist()
 
 
+def test_telemetry_measures_masked_calls_under_their_mask(model, monkeypatch):
+    """With masked="sdpa", a padded batch's calls run through SDPA and telemetry measures their scores under
+    the call's mask: the left-padded sequence's 4 padding rows see no key and are not counted, the largest
+    logit is the masked scores'; the kernel's counters cover only the kernel's calls (kernel_rows)."""
+    captured = []
+    signals_of = hf.score_signals
+    monkeypatch.setattr(hf, "score_signals", lambda q, k, causal, scale, window, mask=None: captured.append(
+        (q, k, mask)) or signals_of(q, k, causal, scale, window, mask))
+    ids = tokens()
+    padded = torch.ones_like(ids)
+    padded[0, :4] = 0
+    hf.register("lowprec-test", "triton", masked="sdpa")
+    try:
+        with torch.no_grad(), hf.Telemetry(model) as telemetry:
+            model(ids, attention_mask=padded)
+        masked = telemetry.signals()
+        with torch.no_grad(), hf.Telemetry(model) as telemetry:
+            model(ids, attention_mask=padded)
+            model(ids)
+        both = telemetry.signals()
+    finally:
+        hf.register("lowprec-test", "triton")
+    layers, heads = CONFIG["num_hidden_layers"], CONFIG["num_attention_heads"]
+    assert masked["rows"] == [[ids.numel() - 4] * heads] * layers and not set(STAT_NAMES) & set(masked)
+    q, k, mask = captured[0]
+    assert mask is not None and mask.dtype == torch.bool
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)).float() * softmax_scale(16)
+    assert masked["max_logit"][0] == s.masked_fill(~mask, float("-inf")).amax((0, 2, 3)).tolist()
+    assert both["rows"] == [[2 * ids.numel() - 4] * heads] * layers
+    assert both["kernel_rows"] == [[ids.numel()] * heads] * layers and set(STAT_NAMES) <= set(both)
+
+
 SMALL = dict(CONFIG, num_key_value_heads=4, pad_token_id=0)
 SEQ2SEQ = dict(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,

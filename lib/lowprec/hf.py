@@ -14,7 +14,8 @@ causal attention (or full attention where the model asks for it, and for a singl
 scale. The plug-in's mask function (`causal_or_sdpa_mask`) gives no mask for plain causal attention without a
 padding mask, under torch.compile too. A padding, packing or other mask, dropout, soft-capping, attention
 sinks and position biases are refused with a ValueError, or a masked call runs through transformers' SDPA
-where `masked="sdpa"`. Importing this module does not import transformers.
+where `masked="sdpa"` (telemetry then measures its scores under its mask). Importing this module does not
+import transformers.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Plugin:
                     "another pattern; under torch.compile any attention_mask, even of ones): pass none on "
                     f"unpadded batches without position_ids resets, or register({self.name!r}, ..., "
                     "masked='sdpa') to run masked calls through SDPA")
+            if self.probe is not None:  # the scores SDPA computes, under the call's mask
+                self.probe(module, *autocast_qkv(query, key, value)[:2], False, scaling, None, attention_mask)
             return self.fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
         query, key, value = autocast_qkv(query, key, value)  # as SDPA: RoPE's q, k are fp32 under autocast
@@ -137,37 +140,48 @@ def causal_or_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset
                      local_size, allow_is_causal_skip, **kwargs)
 
 
-def score_signals(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None,
-                  window: float) -> dict[str, torch.Tensor]:
+def score_signals(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, window: float,
+                  mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-head signals of one call's scores (fp32, as the kernel computes them: the dot exact, rounded once,
     times the fp32 scale): max_logit (over batch and rows), tie_rows (rows whose maximum occurs more than
-    once) and near_tie_rows (rows with another score within `window` of the maximum), as (heads,) float64;
-    query rows in chunks of at most SCORES_PER_CHUNK scores."""
+    once), near_tie_rows (rows with another score within `window` of the maximum) and rows (rows with a
+    visible key), as (heads,) float64; query rows in chunks of at most SCORES_PER_CHUNK scores. mask: a
+    transformers attention mask broadcastable to (B, H, Nq, Nk), boolean (True: visible) or added to the
+    scores (its lowest value and -inf: not visible)."""
     B, H, n_q, D = q.shape
     n_k = k.shape[2]
     scale = softmax_scale(D, scale)
     k = expand_kv(k, H).double()
-    visible = causal_mask(n_q, q.device, n_k) if causal else None
-    out = {"max_logit": torch.full((H,), -math.inf, dtype=torch.float64, device=q.device),
-           "tie_rows": torch.zeros(H, dtype=torch.float64, device=q.device),
-           "near_tie_rows": torch.zeros(H, dtype=torch.float64, device=q.device)}
+    if mask is not None and mask.dtype != torch.bool:
+        bias, mask = mask, mask > torch.finfo(mask.dtype).min
+    else:
+        bias = None
+    visible = causal_mask(n_q, q.device, n_k) if causal else mask
+    out = {name: torch.zeros(H, dtype=torch.float64, device=q.device) for name in (*SCORE_SIGNALS, "rows")}
+    out["max_logit"].fill_(-math.inf)
     step = max(1, SCORES_PER_CHUNK // (B * H * n_k))
     for start in range(0, n_q, step):
-        s = (q[:, :, start:start + step].double() @ k.transpose(-1, -2)).float() * scale
+        rows = slice(start, start + step)
+        s = (q[:, :, rows].double() @ k.transpose(-1, -2)).float() * scale
+        if bias is not None:
+            s = s + bias[..., rows, :]
         if visible is not None:
-            s = s.masked_fill(~visible[start:start + step], -math.inf)
+            s = s.masked_fill(~visible[..., rows, :], -math.inf)
         r = s.amax(-1)
         exact, near = ties(s, r, window)
         out["max_logit"] = torch.maximum(out["max_logit"], r.amax((0, 2)).double())
         out["tie_rows"] += exact.sum((0, 2))
         out["near_tie_rows"] += near.sum((0, 2))
+        out["rows"] += (r > -math.inf).sum((0, 2))
     return out
 
 
 class Telemetry:
     """The paper's per-head signals of every attention call `model` makes through its plug-in while the
-    context is open: the scores' `SCORE_SIGNALS` and, from a backend with statistics, the kernel's counters
-    (STAT_NAMES) summed over batch and rows. One plug-in serves every model registered under its name."""
+    context is open: the scores' `SCORE_SIGNALS` and `rows` (rows with a visible key), and, from a backend
+    with statistics, the kernel's counters (STAT_NAMES) summed over batch and rows, with `kernel_rows`, the
+    rows they cover: a masked call that runs through SDPA (masked="sdpa") gives its scores' signals under
+    its mask, not counters. One plug-in serves every model registered under its name."""
 
     def __init__(self, model: torch.nn.Module):
         name = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -187,12 +201,13 @@ class Telemetry:
 
     @torch.no_grad()
     def record(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, causal: bool,
-               scale: float | None, stats: AttentionStats | None) -> None:
-        """Add one call's signals to its layer's (the probe the plug-in calls)."""
+               scale: float | None, stats: AttentionStats | None, mask: torch.Tensor | None = None) -> None:
+        """Add one call's signals to its layer's (the probe the plug-in calls; `mask`: a masked call's,
+        which SDPA runs)."""
         window = self.plugin.spec.near_tie_window(q.dtype)
-        signals = score_signals(q.detach(), k.detach(), causal, scale, window)
-        signals["rows"] = torch.full_like(signals["tie_rows"], q.shape[0] * q.shape[2])
+        signals = score_signals(q.detach(), k.detach(), causal, scale, window, mask)
         if stats is not None:
+            signals["kernel_rows"] = torch.full_like(signals["rows"], q.shape[0] * q.shape[2])
             signals |= {name: getattr(stats, name).sum((0, 2)).double() for name in STAT_NAMES}
         layer = self.layers.setdefault(module, {})
         for name, value in signals.items():
