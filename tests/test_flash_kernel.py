@@ -444,6 +444,31 @@ def test_dispatch_reaches_the_kernel():
     assert torch.equal(via_dispatch, flash_attention(q, k, v, fix=Fix()))
 
 
+def test_a_call_without_gradients_skips_autograd(monkeypatch):
+    """Under torch.no_grad, in inference mode, or on inputs that need no gradient the kernel runs without
+    autograd's Function (its per-call host cost), with the same output bit for bit; a call whose inputs need
+    gradients goes through it and has a backward."""
+    from lowprec.attention import flash
+
+    q, k, v = (torch.randn(1, 2, 40, 16).bfloat16().to(DEVICE) for _ in range(3))
+    expected, stats = flash_attention(q, k, v, return_stats=True)
+    through = []
+    apply = flash._EagerFlash.apply
+    monkeypatch.setattr(flash._EagerFlash, "apply", lambda *args: through.append(1) or apply(*args))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.no_grad():
+        assert torch.equal(flash_attention(*leaves), expected)
+    with torch.inference_mode():
+        assert torch.equal(flash_attention(q, k, v), expected)
+    plain, plain_stats = flash_attention(q, k, v, return_stats=True)
+    assert torch.equal(plain, expected) and torch.equal(plain_stats.pbar_ones, stats.pbar_ones)
+    assert not through and plain.grad_fn is None
+    o = flash_attention(*leaves)
+    assert through == [1] and torch.equal(o.detach(), expected) and o.grad_fn is not None
+    o.float().sum().backward()
+    assert all(t.grad is not None for t in leaves)
+
+
 @pytest.mark.parametrize("backend", ["triton", "emulated"])
 def test_under_autocast_fp32_inputs_are_cast_as_sdpa_casts_them(backend):
     """Under bf16 autocast, fp32 q, k, v (RoPE's q and k in a transformers model) give the output and the

@@ -348,7 +348,7 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     B, H, N, D = t.shape
     stride = t.stride()
     if H > 1 and N > 1 and stride[2] > stride[1]:
-        return t.new_empty((B, N, H, D)).transpose(1, 2)
+        return t.new_empty_strided((B, H, N, D), (N * H * D, D, H * D, 1))  # one call, not a view's two
     return t.new_empty((B, H, N, D))
 
 
@@ -466,6 +466,18 @@ class _EagerFlash(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, with_stats: bool, options: tuple
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, lse, stats) of `_flash_forward`: through its custom op under torch.compile, through `_EagerFlash`
+    where autograd records the call, else (no gradient wanted: torch.no_grad, inference, inputs without
+    requires_grad) the kernel alone, without autograd's per-call cost."""
+    if torch.compiler.is_compiling():
+        return torch.ops.lowprec.flash_forward(q, k, v, seed, with_stats, *options)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerFlash.apply(q, k, v, seed, with_stats, options)
+    return _flash_forward(q, k, v, seed, with_stats, *options)
+
+
 @torch.compiler.assume_constant_result
 def _kernel_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
                     fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
@@ -536,10 +548,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     options, stochastic = _kernel_options(q.dtype, q.shape[-1], q.is_cuda, causal, scale, fix, precision,
                                           block_m, block_n)
     seed = (-1 if stochastic else 0) if seed is None else seed
-    if torch.compiler.is_compiling():
-        o, lse, stats = torch.ops.lowprec.flash_forward(q, k, v, seed, return_stats, *options)
-    else:
-        o, lse, stats = _EagerFlash.apply(q, k, v, seed, return_stats, options)
+    o, lse, stats = _forward(q, k, v, seed, return_stats, options)
     extra = ([lse] if return_lse else []) + ([AttentionStats(*stats.unbind(0))] if return_stats else [])
     return (o, *extra) if extra else o
 
