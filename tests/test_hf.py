@@ -48,17 +48,25 @@ def test_logits_match_sdpa_and_the_kernel_sees_grouped_heads(model, monkeypatch)
     assert seen == [(4, 2, True)] * CONFIG["num_hidden_layers"]
 
 
-def test_a_training_step_runs(model):
-    """One AdamW step through our forward and backward (a model of its own): a finite loss, a gradient on
-    every weight."""
-    model = llama("lowprec-test").train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def test_a_training_step_runs_and_checkpointing_gives_its_gradients(model):
+    """A training step through our forward and backward (fp32 weights, bf16 autocast): a finite loss, a
+    gradient on every weight, an AdamW step. With transformers' gradient checkpointing, reentrant (its first
+    forward runs without gradients, so without autograd's Function) and not: the same gradients bit for
+    bit."""
     ids = tokens()
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    grads = [p.grad for p in model.parameters()]
-    assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
-    optimizer.step()
+    grads = {}
+    for reentrant in (None, True, False):
+        trained = llama("lowprec-test", torch.float32).train()
+        if reentrant is not None:
+            trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = trained(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        assert torch.isfinite(loss) and all(p.grad is not None for p in trained.parameters())
+        grads[reentrant] = torch.cat([p.grad.flatten() for p in trained.parameters()])
+    assert torch.isfinite(grads[None]).all()
+    assert torch.equal(grads[None], grads[True]) and torch.equal(grads[None], grads[False])
+    torch.optim.AdamW(trained.parameters(), lr=1e-3).step()
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -194,6 +202,27 @@ def test_telemetry_measures_masked_calls_under_their_mask(model, monkeypatch):
     assert masked["max_logit"][0] == s.masked_fill(~mask, float("-inf")).amax((0, 2, 3)).tolist()
     assert both["rows"] == [[2 * ids.numel() - 4] * heads] * layers
     assert both["kernel_rows"] == [[ids.numel()] * heads] * layers and set(STAT_NAMES) <= set(both)
+
+
+def test_score_signals_read_boolean_and_additive_masks_alike():
+    """A boolean mask and the additive mask of the same pattern (0 where visible, the dtype's lowest value
+    elsewhere, as transformers' eager masks) give the same signals; with `causal` the two masks combine; a
+    row with no visible key is not counted."""
+    q, k = torch.randn(2, 4, 8, 16).bfloat16(), torch.randn(2, 2, 8, 16).bfloat16()
+    visible = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) > 0.3
+    visible[0, 0, 0] = False  # batch 0's first row sees no key
+    additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    window = 2.0 ** -9
+
+    def signals(causal: bool, mask: torch.Tensor) -> dict[str, list[float]]:
+        out = hf.score_signals(q, k, causal, None, window, mask)
+        return {name: value.tolist() for name, value in out.items()}
+
+    boolean = signals(False, visible)
+    assert signals(False, additive) == boolean
+    assert boolean["rows"] == [float(visible.any(-1).sum())] * 4 and boolean["rows"][0] < 16
+    lower = torch.ones(8, 8, dtype=torch.bool).tril()
+    assert signals(True, visible) == signals(False, visible & lower) != boolean
 
 
 SMALL = dict(CONFIG, num_key_value_heads=4, pad_token_id=0)

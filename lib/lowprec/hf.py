@@ -145,9 +145,9 @@ def score_signals(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float |
     """Per-head signals of one call's scores (fp32, as the kernel computes them: the dot exact, rounded once,
     times the fp32 scale): max_logit (over batch and rows), tie_rows (rows whose maximum occurs more than
     once), near_tie_rows (rows with another score within `window` of the maximum) and rows (rows with a
-    visible key), as (heads,) float64; query rows in chunks of at most SCORES_PER_CHUNK scores. mask: a
-    transformers attention mask broadcastable to (B, H, Nq, Nk), boolean (True: visible) or added to the
-    scores (its lowest value and -inf: not visible)."""
+    visible key), as (heads,) float64; query rows in chunks of at most SCORES_PER_CHUNK scores. mask (with
+    `causal` or alone): a transformers attention mask broadcastable to (B, H, Nq, Nk), boolean (True:
+    visible) or added to the scores (its lowest value and -inf: not visible)."""
     B, H, n_q, D = q.shape
     n_k = k.shape[2]
     scale = softmax_scale(D, scale)
@@ -156,7 +156,9 @@ def score_signals(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float |
         bias, mask = mask, mask > torch.finfo(mask.dtype).min
     else:
         bias = None
-    visible = causal_mask(n_q, q.device, n_k) if causal else mask
+    visible = causal_mask(n_q, q.device, n_k) if causal else None
+    if mask is not None:
+        visible = mask if visible is None else visible & mask
     out = {name: torch.zeros(H, dtype=torch.float64, device=q.device) for name in (*SCORE_SIGNALS, "rows")}
     out["max_logit"].fill_(-math.inf)
     step = max(1, SCORES_PER_CHUNK // (B * H * n_k))
