@@ -467,6 +467,8 @@ def test_a_call_without_gradients_skips_autograd(monkeypatch):
     assert through == [1] and torch.equal(o.detach(), expected) and o.grad_fn is not None
     o.float().sum().backward()
     assert all(t.grad is not None for t in leaves)
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError):  # refused, not dropped
+        flash_attention(torch.autograd.forward_ad.make_dual(q, torch.ones_like(q)), k, v)
 
 
 @pytest.mark.parametrize("backend", ["triton", "emulated"])

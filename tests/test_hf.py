@@ -48,14 +48,21 @@ def test_logits_match_sdpa_and_the_kernel_sees_grouped_heads(model, monkeypatch)
     assert seen == [(4, 2, True)] * CONFIG["num_hidden_layers"]
 
 
-def test_a_training_step_runs_and_checkpointing_gives_its_gradients(model):
+def test_a_training_step_runs_and_checkpointing_gives_its_gradients(model, monkeypatch):
     """A training step through our forward and backward (fp32 weights, bf16 autocast): a finite loss, a
     gradient on every weight, an AdamW step. With transformers' gradient checkpointing, reentrant (its first
-    forward runs without gradients, so without autograd's Function) and not: the same gradients bit for
-    bit."""
+    forward runs without gradients, so without autograd's Function) and not: the same loss and gradients
+    bit for bit."""
+    calls = {"forward": 0, "autograd": 0}
+    forward, apply = flash._flash_forward, flash._EagerFlash.apply
+    monkeypatch.setattr(flash, "_flash_forward", lambda *a: calls.update(forward=calls["forward"] + 1)
+                        or forward(*a))
+    monkeypatch.setattr(flash._EagerFlash, "apply", lambda *a: calls.update(autograd=calls["autograd"] + 1)
+                        or apply(*a))
     ids = tokens()
-    grads = {}
+    losses, grads, without = {}, {}, {}
     for reentrant in (None, True, False):
+        calls.update(forward=0, autograd=0)
         trained = llama("lowprec-test", torch.float32).train()
         if reentrant is not None:
             trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -63,9 +70,12 @@ def test_a_training_step_runs_and_checkpointing_gives_its_gradients(model):
             loss = trained(ids, labels=ids, use_cache=False).loss
         loss.backward()
         assert torch.isfinite(loss) and all(p.grad is not None for p in trained.parameters())
+        losses[reentrant] = loss.item()
         grads[reentrant] = torch.cat([p.grad.flatten() for p in trained.parameters()])
-    assert torch.isfinite(grads[None]).all()
+        without[reentrant] = calls["forward"] - calls["autograd"]  # forwards that skipped autograd
+    assert losses[None] == losses[True] == losses[False] and torch.isfinite(grads[None]).all()
     assert torch.equal(grads[None], grads[True]) and torch.equal(grads[None], grads[False])
+    assert without == {None: 0, True: CONFIG["num_hidden_layers"], False: 0}
     torch.optim.AdamW(trained.parameters(), lr=1e-3).step()
 
 
@@ -204,25 +214,49 @@ def test_telemetry_measures_masked_calls_under_their_mask(model, monkeypatch):
     assert both["kernel_rows"] == [[ids.numel()] * heads] * layers and set(STAT_NAMES) <= set(both)
 
 
-def test_score_signals_read_boolean_and_additive_masks_alike():
-    """A boolean mask and the additive mask of the same pattern (0 where visible, the dtype's lowest value
-    elsewhere, as transformers' eager masks) give the same signals; with `causal` the two masks combine; a
-    row with no visible key is not counted."""
+def test_score_signals_read_every_form_of_mask_alike(monkeypatch):
+    """One pattern as a boolean mask, as additive masks (0 where visible, the lowest value of fp32 or bf16
+    elsewhere, as transformers' eager masks; bf16's in an fp32 mask too), per head, and chunked a row at a
+    time: the same signals; with `causal` the mask and the causal mask combine; a row with no visible key is
+    not counted. A key-padding mask (B, 1, 1, Nk) reads as its rows broadcast, chunked too."""
     q, k = torch.randn(2, 4, 8, 16).bfloat16(), torch.randn(2, 2, 8, 16).bfloat16()
     visible = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) > 0.3
     visible[0, 0, 0] = False  # batch 0's first row sees no key
-    additive = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
     window = 2.0 ** -9
 
     def signals(causal: bool, mask: torch.Tensor) -> dict[str, list[float]]:
         out = hf.score_signals(q, k, causal, None, window, mask)
         return {name: value.tolist() for name, value in out.items()}
 
+    def additive(mask: torch.Tensor, dtype: torch.dtype, lowest: torch.dtype) -> torch.Tensor:
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(lowest).min)
+
     boolean = signals(False, visible)
-    assert signals(False, additive) == boolean
     assert boolean["rows"] == [float(visible.any(-1).sum())] * 4 and boolean["rows"][0] < 16
+    forms = [additive(visible, dtype, lowest) for dtype, lowest in (
+        (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16))]
+    assert all(signals(False, mask) == boolean for mask in [*forms, visible.expand(2, 4, 8, 8)])
     lower = torch.ones(8, 8, dtype=torch.bool).tril()
     assert signals(True, visible) == signals(False, visible & lower) != boolean
+    padding = torch.tensor([[1] * 8, [0, 0] + [1] * 6], dtype=torch.bool)[:, None, None, :]
+    whole = signals(True, padding)
+    monkeypatch.setattr(hf, "SCORES_PER_CHUNK", 1)  # one row at a time
+    assert signals(False, visible) == boolean and signals(True, padding) == whole
+    assert whole["rows"] == [14.0] * 4  # batch 1's first two rows see no key
+
+
+def test_telemetry_keeps_counters_when_a_layer_ran_only_through_sdpa(model):
+    """A layer whose calls all ran through SDPA (no counters) beside one the kernel ran: the counters stay,
+    0 (and kernel_rows 0) for the first."""
+    telemetry = hf.Telemetry(model)
+    masked, kernel = (torch.nn.Identity() for _ in range(2))
+    ones = torch.ones(4, dtype=torch.float64)
+    telemetry.layers = {masked: {"max_logit": ones, "rows": 3 * ones},
+                        kernel: {"max_logit": ones, "rows": 5 * ones, "kernel_rows": 5 * ones,
+                                 "pbar_ones": 7 * ones}}
+    signals = telemetry.signals()
+    assert signals["kernel_rows"] == [[0.0] * 4, [5.0] * 4] and signals["pbar_ones"] == [[0.0] * 4, [7.0] * 4]
+    assert signals["rows"] == [[3.0] * 4, [5.0] * 4]
 
 
 SMALL = dict(CONFIG, num_key_value_heads=4, pad_token_id=0)

@@ -3,8 +3,8 @@ per-head t-scores of the δ error, the paper's signature, the logits' onsets (ru
 `first_over`, `first_layer`) and growth (`window_growth`, `head_growth`, `fastest_head`), loss spikes, a
 run's events, recipe and name (`outcomes`, `recipe`, `recipe_label`, `split_name`), several experiment
 folders' runs at once (`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line
-run summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank`, exact for few
-runs, `wilson`, `survival_table`) and a learning-rate grid's (`lr_sweep`).
+run summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank` by permutation,
+`wilson`, `survival_table`) and a learning-rate grid's (`lr_sweep`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -400,7 +400,7 @@ def kaplan_meier(times: list[int], events: list[bool]) -> list[tuple[int, float]
     return curve
 
 
-LOG_RANK_EXACT_SPLITS = 1_000_000  # pooled runs' splits into the two groups' sizes enumerated up to this many
+LOG_RANK_SPLITS = 100_000  # splits of the pooled runs enumerated for an exact p; beyond, this many drawn
 
 
 def log_rank_statistic(times: list[int], events: list[bool], in_a: torch.Tensor) -> torch.Tensor:
@@ -421,25 +421,27 @@ def log_rank_statistic(times: list[int], events: list[bool], in_a: torch.Tensor)
 
 
 def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -> tuple[float, float]:
-    """(chi², p) of the log-rank test that two groups' (times, events) share one survival curve. p is exact
-    where the pooled runs have at most LOG_RANK_EXACT_SPLITS splits into groups of a's and b's sizes (the
-    share of splits whose chi² is at least the observed one: a permutation test, valid for a few runs per
-    arm), else chi²'s with 1 degree of freedom; p = 1 when neither group has an event."""
+    """(chi², p) of the log-rank test that two groups' (times, events) share one survival curve, p by
+    permutation (valid for a few runs per arm, where chi²'s approximation is not): the share of the pooled
+    runs' splits into groups of a's and b's sizes whose chi² is at least the observed one, exact over every
+    split up to LOG_RANK_SPLITS of them, else over that many drawn at random (seeded; (hits + 1) / (draws +
+    1)); p = 1 when neither group has an event."""
     (ta, ea), (tb, eb) = a, b
     times, events = list(ta) + list(tb), list(ea) + list(eb)
     runs, size = len(times), len(ta)
     chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
     if not any(events):
         return 0.0, 1.0
-    if math.comb(runs, size) > LOG_RANK_EXACT_SPLITS:
-        return chi2, math.erfc(math.sqrt(chi2 / 2))
-    at_least = 0
-    splits = itertools.combinations(range(runs), size)
-    while chunk := list(itertools.islice(splits, 50_000)):
-        in_a = torch.zeros(len(chunk), runs, dtype=torch.bool)
-        in_a[torch.arange(len(chunk))[:, None], torch.tensor(chunk, dtype=torch.long)] = True
-        at_least += int((log_rank_statistic(times, events, in_a) >= chi2 * (1 - 1e-9)).sum())
-    return chi2, at_least / math.comb(runs, size)
+    splits = math.comb(runs, size)
+    if splits <= LOG_RANK_SPLITS:
+        members = torch.tensor(list(itertools.combinations(range(runs), size)), dtype=torch.long)
+    else:
+        draws = torch.rand(LOG_RANK_SPLITS, runs, generator=torch.Generator().manual_seed(0))
+        members = draws.argsort(1)[:, :size]
+    in_a = torch.zeros(len(members), runs, dtype=torch.bool).scatter_(1, members.reshape(len(members), size),
+                                                                        True)
+    hits = int((log_rank_statistic(times, events, in_a) >= chi2 * (1 - 1e-9)).sum())
+    return chi2, hits / splits if splits <= LOG_RANK_SPLITS else (hits + 1) / (LOG_RANK_SPLITS + 1)
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:

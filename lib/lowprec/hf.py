@@ -71,7 +71,7 @@ class Plugin:
                     f"unpadded batches without position_ids resets, or register({self.name!r}, ..., "
                     "masked='sdpa') to run masked calls through SDPA")
             if self.probe is not None:  # the scores SDPA computes, under the call's mask
-                self.probe(module, *autocast_qkv(query, key, value)[:2], False, scaling, None, attention_mask)
+                self.probe(module, *autocast_qkv(query, key, key)[:2], False, scaling, None, attention_mask)
             return self.fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
         query, key, value = autocast_qkv(query, key, value)  # as SDPA: RoPE's q, k are fp32 under autocast
@@ -147,15 +147,16 @@ def score_signals(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float |
     once), near_tie_rows (rows with another score within `window` of the maximum) and rows (rows with a
     visible key), as (heads,) float64; query rows in chunks of at most SCORES_PER_CHUNK scores. mask (with
     `causal` or alone): a transformers attention mask broadcastable to (B, H, Nq, Nk), boolean (True:
-    visible) or added to the scores (its lowest value and -inf: not visible)."""
+    visible) or added to the scores (values below half its dtype's lowest, -inf included: not visible)."""
     B, H, n_q, D = q.shape
     n_k = k.shape[2]
     scale = softmax_scale(D, scale)
     k = expand_kv(k, H).double()
-    if mask is not None and mask.dtype != torch.bool:
-        bias, mask = mask, mask > torch.finfo(mask.dtype).min
-    else:
-        bias = None
+    bias = None
+    if mask is not None:
+        mask = mask.expand(B, H, n_q, n_k)  # a view: each chunk of rows slices its own
+        if mask.dtype != torch.bool:  # additive: any dtype's lowest value (or -inf) hides a key
+            bias, mask = mask, mask > torch.finfo(mask.dtype).min / 2
     visible = causal_mask(n_q, q.device, n_k) if causal else None
     if mask is not None:
         visible = mask if visible is None else visible & mask
@@ -218,11 +219,14 @@ class Telemetry:
 
     def signals(self) -> dict[str, list]:
         """{signal: [[value per head] per layer]} in the order the layers were first called, and "layers":
-        their module names; one host sync."""
+        their module names; the kernel's counters and kernel_rows are 0 in a layer whose calls all ran
+        through SDPA; one host sync."""
         layers = list(self.layers.values())
         if not layers:
             return {"layers": []}
-        names = [name for name in layers[0] if all(name in layer for layer in layers)]
-        values = torch.stack([torch.stack([layer[name] for layer in layers]) for name in names]).tolist()
+        names = list(dict.fromkeys(name for layer in layers for name in layer))
+        zeros = torch.zeros_like(layers[0]["rows"])  # a layer whose calls all ran through SDPA: no counters
+        values = torch.stack([torch.stack([layer.get(name, zeros) for layer in layers]) for name in names])
+        values = values.tolist()
         return {"layers": [self.names.get(module, "") for module in self.layers],
                 **dict(zip(names, values, strict=True))}

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import triton
+from torch.autograd import forward_ad
 from triton.runtime import _allocation
 from triton.runtime.errors import OutOfResources
 
@@ -469,11 +470,13 @@ class _EagerFlash(torch.autograd.Function):
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, with_stats: bool, options: tuple
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o, lse, stats) of `_flash_forward`: through its custom op under torch.compile, through `_EagerFlash`
-    where autograd records the call, else (no gradient wanted: torch.no_grad, inference, inputs without
-    requires_grad) the kernel alone, without autograd's per-call cost."""
+    where autograd records the call (or forward-mode AD is on, which it refuses), else (no gradient wanted:
+    torch.no_grad, inference, inputs without requires_grad) the kernel alone, without autograd's per-call
+    cost."""
     if torch.compiler.is_compiling():
         return torch.ops.lowprec.flash_forward(q, k, v, seed, with_stats, *options)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            or forward_ad._current_level >= 0):
         return _EagerFlash.apply(q, k, v, seed, with_stats, options)
     return _flash_forward(q, k, v, seed, with_stats, *options)
 
