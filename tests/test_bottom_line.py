@@ -3,6 +3,7 @@ against an independent count of the run folders, and a results folder that contr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -259,6 +260,18 @@ def test_lr_finding_goes_stale(tmp_path: Path) -> None:
     with pytest.raises(StaleClaim, match="at 1e-3 .every seed. every fa2 and paper64 run ran away"):
         lr_finding(results)
     forget()
+
+
+def test_lr_finding_goes_stale_when_another_arm_lands(monkeypatch) -> None:
+    """A run of an arm the paragraph does not count (the queue's model-fp32 at 1e-3) makes it stale."""
+    from lowprec.viz import bottom_line as module
+
+    cells = module.grid_runs()
+    control = [dataclasses.replace(r, arm="model-fp32") for r in cells["attn-fp32", 0.001, False][:1]]
+    more = cells | {("model-fp32", 0.001, False): control}
+    monkeypatch.setattr(module, "grid_runs", lambda results=RESULTS: more)
+    with pytest.raises(StaleClaim, match="model-fp32 runs at 1e-3"):
+        lr_finding()
 
 
 def test_tokens_per_s_is_the_median_over_the_records() -> None:

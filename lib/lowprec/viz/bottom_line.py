@@ -259,6 +259,10 @@ def lr_finding(results: Path = RESULTS) -> str:
     chapters 3 to 5 share; `StaleClaim` when a record contradicts it."""
     cells, records = grid_runs(results), explode_records(results)
     steps_per_run = horizon("lr-qknorm", results)
+    claim({arm for arm, _, _ in cells} <= set(GRID_PLACEMENTS),
+          "the lr-qknorm records hold runs of fa2, paper64 and attn-fp32 only (the queue's model-fp32 runs "
+          "at 1e-3, the control with no bf16 anywhere, are still to be made: this paragraph does not count "
+          "them)")
     high, twice, half = ([r for group in grid_cell(lr, False, results).values() for r in group]
                          for lr in ("8e-3", "4e-3", "1e-3"))
     claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
