@@ -13,13 +13,12 @@ launcher and CUDA's allocations (`lowprec bench overhead` measures those against
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import time
 
 import torch
 import triton
 from lowprec.attention import flash
+from lowprec.instruments.bench_overhead import host_profile
 
 
 class _Binary:
@@ -95,12 +94,9 @@ def main() -> None:
         best = per_call_us(fn, args.calls)
         print(f"{label:8s} {best[0]:7.1f} us per call (best two of five: {best[0]:.1f}, {best[1]:.1f})")
     if args.profile:
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(args.calls):
-            forward_backward()
-        profile.disable()
-        pstats.Stats(profile).sort_stats("tottime").print_stats(15)
+        print("fwd+bwd, cProfile's 15 largest own times (us per call): own, cumulative, calls, function")
+        for r in host_profile(forward_backward, args.calls, top=15):
+            print(f"  {r['own_us']:8.2f} {r['cum_us']:8.2f}  x{r['calls']:<5} {r['function']}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ class Plugin:
                     f"unpadded batches without position_ids resets, or register({self.name!r}, ..., "
                     "masked='sdpa') to run masked calls through SDPA")
             if self.probe is not None:  # the scores SDPA computes, under the call's mask
-                self.probe(module, *autocast_qkv(query, key, key)[:2], False, scaling, None, attention_mask)
+                self.probe(module, *autocast_qkv(query, key), False, scaling, None, attention_mask)
             return self.fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
         query, key, value = autocast_qkv(query, key, value)  # as SDPA: RoPE's q, k are fp32 under autocast

@@ -18,17 +18,15 @@ import torch
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def autocast_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k and v in autocast's dtype where autocast is on for q's device, as torch casts SDPA's inputs
-    (floating tensors other than float64); unchanged otherwise."""
-    device = q.device.type if isinstance(q, torch.Tensor) else None
+def autocast_qkv(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors (q, k, v, or some of them) in autocast's dtype where autocast is on for the first one's
+    device, as torch casts SDPA's inputs (floating tensors other than float64); unchanged otherwise."""
+    device = tensors[0].device.type if isinstance(tensors[0], torch.Tensor) else None  # else check_qkv says
     if not (device and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
-        return q, k, v
+        return tensors
     dtype = torch.get_autocast_dtype(device)
-    cast = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-            else t for t in (q, k, v)]
-    return cast[0], cast[1], cast[2]
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in tensors)
 
 
 def check_qkv(
