@@ -933,6 +933,31 @@ def test_attention_with_a_string_spec_compiles_without_a_graph_break(backend):
         torch._dynamo.reset()
 
 
+def test_constant_result_functions_get_plain_values_only(monkeypatch):
+    """What attention() and the kernel hand to their torch.compiler.assume_constant_result functions, from
+    a GPT whose layers hold AttentionSpec objects: plain values only (torch.compile 2.11 stops with "can't
+    reconstruct arbitrary frozen dataclass instances" at a Precision, Fix or AttentionSpec there)."""
+    from lowprec.attention import dispatch, flash
+    from lowprec.model import GPT, GPTConfig
+
+    seen = []
+    def plain(x) -> bool:
+        return (x is None or isinstance(x, (str, int, float, bool, torch.dtype))
+                or isinstance(x, tuple) and all(map(plain, x)))
+
+    for module, name in ((dispatch, "_resolve"), (flash, "_kernel_options")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name: seen.append((_n, a)) or _f(*a))
+    torch.manual_seed(0)
+    for spec in ("triton/precision=paper/fix=2", "math/dtype=float32"):
+        model = GPT(GPTConfig(vocab_size=97, block_size=16, n_layer=1, n_head=2, n_embd=32, attention=spec))
+        model(torch.randint(97, (1, 16)))
+    q = torch.randn(1, 2, 16, 16).bfloat16()
+    attention(q, q, q, backend="triton/precision=paper/fix=2")
+    assert {n for n, _ in seen} == {"_resolve", "_kernel_options"}
+    assert all(plain(a) for _, args in seen for a in args), [a for _, a in seen if not all(map(plain, a))]
+
+
 @on_cpu
 @pytest.mark.slow
 def test_gpt_compiles_around_the_kernel_without_graph_breaks():

@@ -97,15 +97,18 @@ def sdpa_attention(
     return o if blind is None else o.masked_fill(blind, 0.0)
 
 
-@torch.compiler.assume_constant_result
-def _resolve(backend: AttentionSpec | str, keywords: tuple[str, ...]
-             ) -> tuple[str, tuple[tuple[str, object], ...]]:
-    """(backend name, the keywords its function gets) of a spec or its string, after checking the call's
-    `keywords`; plain constants, so that torch.compile runs this once while tracing instead of building a
-    spec (a string spec compiles without a graph break)."""
-    spec = AttentionSpec.parse(backend)
+def _call_of(spec: AttentionSpec, keywords: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """(backend name, the keywords its function gets) of a spec, after checking the call's `keywords`."""
     spec.accepts(keywords)
     return spec.backend, tuple(spec.kwargs().items())
+
+
+@torch.compiler.assume_constant_result
+def _resolve(backend: str, keywords: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...]]:
+    """`_call_of` a spec string, as plain constants: torch.compile runs this once while tracing instead of
+    parsing the string (no graph break). Only plain values may reach it: torch.compile 2.11 cannot turn a
+    frozen dataclass (an AttentionSpec) met while tracing back into a constant."""
+    return _call_of(AttentionSpec.parse(backend), keywords)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionSpec | str = "sdpa",
@@ -115,7 +118,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Attent
 
     "emulated" and "triton" also take return_lse / return_stats: the result is then (o, [lse], [stats]).
     """
-    name, call = _resolve(backend, tuple(kw))
+    name, call = (_call_of(backend, tuple(kw)) if isinstance(backend, AttentionSpec)
+                  else _resolve(backend, tuple(kw)))
     kw = {**dict(call), **kw}
     if name == "reference":
         return reference_attention(q, k, v, causal, **kw)[0].to(q.dtype)
