@@ -91,7 +91,7 @@ go)
       name=$(basename "$(dirname "$queue")")
       echo "study $name: $minutes minutes, $slots at a time"
       python3 -m lowprec.cli experiment study --queue "$queue" --out "$work/$name" --minutes "$minutes" \
-        --slots "$slots" "${extra[@]}"
+        --slots "$slots" "${extra[@]}" || break  # a run ended without an outcome: the next queue would too
     done
   ' go "$MINUTES" "$WORK" "$QUEUE" "${ARM:-model-fp32}" "${estimate[@]}" > "$WORK/go.log" 2>&1 < /dev/null &
   echo $! > "$WORK/go.pid"

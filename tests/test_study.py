@@ -72,6 +72,23 @@ def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):
     assert load_run(out / "model-fp32-s1").summary["steps"] == 12
 
 
+def test_study_stops_starting_runs_when_one_ends_without_an_outcome(tmp_path, capsys):
+    """A run whose process ends short of the horizon (here: its corpus is missing) stops the study: the runs
+    after it would most likely fail the same way and burn the budget; exit 1, the log says which run."""
+    runs = [{"arm": "model-fp32", "seed": 1, "tag": "nodata", "overrides": ["data=missing-corpus"]},
+            {"arm": "model-fp32", "seed": 2}]
+    queue = write_queue(tmp_path / "home", runs)
+    out = tmp_path / "out"
+    study = ["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5"]
+    assert lowprec_main(study) == 1
+    printed = capsys.readouterr().out
+    assert f"study: model-fp32-nodata-s1 ended without an outcome at step 12 (exit 2; its log: " \
+           f"{out / 'model-fp32-nodata-s1.log'}): no further run starts" in printed
+    assert "start model-fp32-s2" not in printed and not (out / "model-fp32-s2").exists()
+    log = json.loads(next(out.glob("study-*.json")).read_text())
+    assert log["state"] == "failed" and list(log["runs"]) == ["model-fp32-nodata-s1"]
+
+
 def test_study_rejects_a_bad_queue(tmp_path, capsys):
     queue = write_queue(tmp_path, [{"arm": "fa3", "seed": 1}])
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--status"]) == 2

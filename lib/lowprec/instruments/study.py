@@ -193,8 +193,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(log_path, log)  # what a harness killed outright leaves; its runs end with it
     with signals_interrupt():
         try:
-            _make_runs(args, queue, rows, expected, budget, out, t0, procs, started)
-            log["state"] = "finished"
+            failed = _make_runs(args, queue, rows, expected, budget, out, t0, procs, started)
+            log["state"] = "failed" if failed else "finished"
         except KeyboardInterrupt:
             log["state"] = "stopped"
             print("study: interrupted; stopping the runs", flush=True)
@@ -206,17 +206,29 @@ def run(args: argparse.Namespace) -> int:
         log["wall_s"] = time.monotonic() - t0
         write_json(log_path, log)
         print(status(queue, home, out))
-    return 0
+    return 1 if log["state"] == "failed" else 0
 
 
 def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected: dict[str, float],
                budget: float, out: Path, t0: float, procs: dict[str, subprocess.Popen],
-               started: dict[str, float]) -> None:
+               started: dict[str, float]) -> bool:
     """`run`'s loop: start planned runs in queue order, `--slots` at a time, while the budget lasts (into
-    `procs` and `started`); returns when none is running and none can start, or the budget is spent."""
+    `procs` and `started`); returns when none is running and none can start, or the budget is spent (False),
+    or when a run's process ended without an outcome at the horizon (True: no further run starts, since the
+    next would most likely fail the same way; the runs still going finish)."""
+    ended: set[str] = set()
+    failed = False
     while True:
         now = time.monotonic() - t0
         running = [n for n, p in procs.items() if p.poll() is None]
+        for name in sorted(set(procs) - set(running) - ended):
+            ended.add(name)
+            if not failed and run_state([out / name], queue["horizon"])[0] != "done":
+                failed = True
+                rows.clear()
+                print(f"study: {name} ended without an outcome at step {queue['horizon']:,} (exit "
+                      f"{procs[name].returncode}; its log: {out / f'{name}.log'}): no further run starts",
+                      flush=True)
         for r in list(rows):
             if len(running) >= args.slots:
                 break
@@ -239,7 +251,7 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected
             running.append(name)
             print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
         if args.dry_run or not running:
-            break
+            return failed
         minute = int((time.monotonic() - t0) // 60)
         wake = time.monotonic() + 5  # or as soon as a run ends, so that the next one starts at once
         while time.monotonic() < wake and all(procs[n].poll() is None for n in running):
@@ -248,4 +260,4 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected
             print(f"[{time.monotonic() - t0:5.0f}s] running {', '.join(running)}", flush=True)
         if time.monotonic() - t0 > budget:
             print("budget spent: stopping the runs still going (they stay planned)", flush=True)
-            break
+            return failed
