@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The attribution study on a GPU machine (results/explode/survival/queue.json), in phases so that its work
 # outlives one device call:
-#   PHASE=unpack SHARDS=.carry/cN  applies one carried shard folder of the corpus to data/gpt2-english+code
+#   PHASE=unpack SHARDS=.carry/eN  applies one carried shard folder of the corpus to data/gpt2-english+code
+#                                  (`lowprec data pack --shard-mib 22`, one shard and pack.json per folder: a
+#                                  call's tree may hold 64 MiB and the tracked files take about 41)
 #                                  (DATA=data/gpt2-permissive: the lead's corpus, which chapters 3 and 4 re-run on)
 #   PHASE=probe [ARM=model-fp32]   in its own process session, while later shards travel (the GPU idles):
 #                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
@@ -19,7 +21,8 @@
 #                                  a probe (waited for, at most PROBE_WAIT_S=120 s) ARM's estimate is its
 #                                  projected time + 60 s; END_AT=<epoch seconds> in place of MINUTES: the
 #                                  whole minutes from the probe's end to then (the device budget's end, less
-#                                  the time the last pack needs)
+#                                  the time the last pack needs); a queue whose study fails (a run ended
+#                                  without an outcome) ends the go
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds (or until 580 s after CALL_START, the
 #                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,

@@ -8,9 +8,10 @@ when its record, in the queue's folder or in --out, reached the horizon or the s
 still planned, so the work picks up where it stopped. The runner starts planned runs in queue order, `--slots`
 at a time, each only if its expected time (the median of its arm's done runs, at least the queue's estimate,
 times --slots) ends before the budget does; a run still going when the budget ends gets SIGTERM and stays
-planned (a run has no outcome until it reaches its horizon). `--status` prints every run's state (a done
-run's runaway step, largest logit and final loss) and the survival table (`analysis.survival_table`) of the
-done ones and exits.
+planned (a run has no outcome until it reaches its horizon); a run whose process ends without an outcome
+stops the study (exit 1): the runs after it would most likely fail the same way. `--status` prints every
+run's state (a done run's runaway step, largest logit and final loss) and the survival table
+(`analysis.survival_table`) of the done ones and exits.
 """
 
 from __future__ import annotations
