@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from lowprec.analysis import outcomes, runaway_step, wilson
+from lowprec.analysis import largest_logit, outcomes, runaway_step, wilson
 from lowprec.runs import load_run
 from lowprec.viz.bottom_line import (
     RESULTS,
@@ -262,16 +262,31 @@ def test_lr_finding_goes_stale(tmp_path: Path) -> None:
     forget()
 
 
-def test_lr_finding_goes_stale_when_another_arm_lands(monkeypatch) -> None:
-    """A run of an arm the paragraph does not count (the queue's model-fp32 at 1e-3) makes it stale."""
+def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> None:
+    """The queue's model-fp32 runs at 1e-3 (no bf16 anywhere) join attention in fp32 in Fisher's test; one
+    that ran away, or a run of an arm the paragraph does not count, makes it stale."""
     from lowprec.viz import bottom_line as module
 
     cells = module.grid_runs()
-    control = [dataclasses.replace(r, arm="model-fp32") for r in cells["attn-fp32", 0.001, False][:1]]
-    more = cells | {("model-fp32", 0.001, False): control}
-    monkeypatch.setattr(module, "grid_runs", lambda results=RESULTS: more)
-    with pytest.raises(StaleClaim, match="model-fp32 runs at 1e-3"):
-        lr_finding()
+    fp32 = cells["attn-fp32", 0.001, False]
+    def with_cells(extra: dict) -> str:
+        monkeypatch.setattr(module, "grid_runs", lambda results=RESULTS: cells | extra)
+        return lr_finding()
+
+    plain = with_cells({})
+    assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.002:" in plain
+    control = [dataclasses.replace(r, arm="model-fp32") for r in fp32[:2]]  # two runs that did not run away
+    counted = with_cells({("model-fp32", 0.001, False): control})
+    peak = max(largest_logit(explode_records()[r.name]) for r in control)
+    assert (f"nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in any of 2 "
+            f"(largest logit at most {peak:.0f}). Fisher's exact test of 8 of 8 against 0 of 6 gives "
+            f"p = {1 / 3003:.2g}:") in counted  # the pre-registered 1/3003
+    went = [dataclasses.replace(control[0], runaway=1000), control[1]]
+    with pytest.raises(StaleClaim, match="no run without bf16 anywhere .model-fp32. ran away"):
+        with_cells({("model-fp32", 0.001, False): went})
+    for cell in (("model-fp32", 0.002, False), ("fa2-consistent", 0.001, False)):
+        with pytest.raises(StaleClaim, match="and of model-fp32 at 1e-3 without QK-LayerNorm only"):
+            with_cells({cell: control})
 
 
 def test_tokens_per_s_is_the_median_over_the_records() -> None:

@@ -207,6 +207,7 @@ def study_groups(queue: str = "survival", results: Path = RESULTS) -> dict[str, 
 
 
 GRID_PLACEMENTS = ("fa2", "paper64", "attn-fp32")  # the lr-qknorm queue's arms
+GRID_CONTROL = ("model-fp32", 1e-3, False)  # and its control: no bf16 anywhere, at 1e-3, no QK-LayerNorm
 
 
 @functools.cache
@@ -256,13 +257,14 @@ def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS) -> float:
 
 def lr_finding(results: Path = RESULTS) -> str:
     """What the learning-rate x QK-LayerNorm queue shows so far, in one Markdown paragraph that the intro and
-    chapters 3 to 5 share; `StaleClaim` when a record contradicts it."""
+    chapters 3 to 5 share (its `model-fp32` runs at 1e-3, the control without bf16, join attention in fp32 in
+    the half-rate contrast); `StaleClaim` when a record contradicts it."""
     cells, records = grid_runs(results), explode_records(results)
     steps_per_run = horizon("lr-qknorm", results)
-    claim({arm for arm, _, _ in cells} <= set(GRID_PLACEMENTS),
-          "the lr-qknorm records hold runs of fa2, paper64 and attn-fp32 only (the queue's model-fp32 runs "
-          "at 1e-3, the control with no bf16 anywhere, are still to be made: this paragraph does not count "
-          "them)")
+    claim(all(arm in GRID_PLACEMENTS or (arm, lr, on) == GRID_CONTROL for arm, lr, on in cells),
+          "the lr-qknorm records hold runs of fa2, paper64 and attn-fp32, and of model-fp32 at 1e-3 without "
+          "QK-LayerNorm only")
+    control = cells.get(GRID_CONTROL, [])
     high, twice, half = ([r for group in grid_cell(lr, False, results).values() for r in group]
                          for lr in ("8e-3", "4e-3", "1e-3"))
     claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
@@ -270,7 +272,7 @@ def lr_finding(results: Path = RESULTS) -> str:
     went = [r for r in twice if r.runaway is not None]
     claim([r.arm for r in went] == ["paper64"] and len({r.seed for r in twice}) == 2,
           "at 4e-3 (two seeds) only paper64 ran away, once")
-    peak = {r.name: largest_logit(records[r.name]) for r in twice + half}
+    peak = {r.name: largest_logit(records[r.name]) for r in twice + half + control}
     claim(all(peak[r.name] > 200 and last_logit(records[r.name]) < peak[r.name] / 2 for r in twice),
           "at 4e-3 every run's largest logit climbed past 200 and fell back below half its peak")
     bf16, fp32 = [r for r in half if r.arm != "attn-fp32"], [r for r in half if r.arm == "attn-fp32"]
@@ -279,8 +281,12 @@ def lr_finding(results: Path = RESULTS) -> str:
           and all(r.runaway is not None for r in bf16) and not any(r.runaway for r in fp32)
           and max(peak[r.name] for r in fp32) < 100,
           "at 1e-3 (every seed) every fa2 and paper64 run ran away, attn-fp32 stayed below 100")
-    p = fisher_p(len(bf16), len(bf16), 0, len(fp32))
+    claim(not any(r.runaway for r in control), "at 1e-3 no run without bf16 anywhere (model-fp32) ran away")
+    p = fisher_p(len(bf16), len(bf16), 0, len(fp32) + len(control))
     claim(p < 0.01, "at 1e-3 Fisher's exact test of bf16 against fp32 attention below 0.01")
+    nor = "" if not control else (
+        f", nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in any of "
+        f"{len(control)} (largest logit at most {max(peak[r.name] for r in control):.0f})")
     recipe_fa2 = [r for r in study_groups("survival", results).get("fa2", []) if r.seed in seeds]
     fa2_twice = [r for r in twice if r.arm == "fa2"]
     claim(len(recipe_fa2) >= 3 and not any(r.runaway for r in recipe_fa2 + fa2_twice),
@@ -315,25 +321,25 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"ran away ({len(bf16)} of {len(bf16)} over {len(seeds)} seeds: `paper64` at steps "
         f"{steps('paper64')}, `fa2` at {steps('fa2')}; {len(stopped)} of them then reached the stop rule) "
         f"and attention computed entirely in fp32 in none of {len(fp32)} (its largest logit at most "
-        f"{max(peak[r.name] for r in fp32):.0f}). Fisher's exact test of {len(bf16)} of {len(bf16)} against "
-        f"0 of {len(fp32)} gives p = {p:.3f}: at that rate a bf16 rounding point in attention starts a "
-        f"runaway that the learning rate alone does not (which rounding point, this contrast does not say: "
-        f"the two bf16 placements share several, $\\bar P$ rounded for $\\bar PV$ among them). A lower rate "
-        f"brought the runaway forward: by step {steps_per_run:,} `fa2` ran away in {len(fa2_half)} of "
-        f"{len(fa2_half)} runs at half the recipe's rate and in 0 of {len(recipe_fa2) + len(fa2_twice)} "
-        f"at the recipe's rate (seeds {listed(recipe_fa2)}, none by {horizon('survival', results):,} "
-        f"either) and twice it (seeds {listed(fa2_twice)}), "
-        f"Fisher's exact test p = {p_fa2:.3f}; the authors' placement ran away at steps "
+        f"{max(peak[r.name] for r in fp32):.0f}){nor}. Fisher's exact test of {len(bf16)} of {len(bf16)} "
+        f"against 0 of {len(fp32) + len(control)} gives p = {p:.2g}: at that rate a bf16 rounding point in "
+        f"attention starts a runaway that the learning rate alone does not (which rounding point, this "
+        f"contrast does not say: the two bf16 placements share several, $\\bar P$ rounded for $\\bar PV$ "
+        f"among them). A lower rate brought the runaway forward: by step {steps_per_run:,} `fa2` ran away "
+        f"in {len(fa2_half)} of {len(fa2_half)} runs at half the recipe's rate and in 0 of "
+        f"{len(recipe_fa2) + len(fa2_twice)} at the recipe's rate (seeds {listed(recipe_fa2)}, none by "
+        f"{horizon('survival', results):,} either) and twice it (seeds {listed(fa2_twice)}), Fisher's exact "
+        f"test p = {p_fa2:.3f}; the authors' placement ran away at steps "
         f"{paper_half[0]:,}-{paper_half[-1]:,} at half the rate, against "
         f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs), and before "
         f"`fa2` in each of the {len(seeds)} seeds at half the rate (its row sum and scores in bf16 too). "
-        f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, every "
-        f"placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, one seed); at "
-        f"{latex(4e-3)} {len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step "
-        f"{went[0].runaway:,}), while "
-        f"every run's largest logit climbed (to {min(peak[r.name] for r in twice):,.0f}-"
-        f"{max(peak[r.name] for r in twice):,.0f}) and fell back. With QK-LayerNorm none of {len(normed)} "
-        f"runs ran away or spiked ({latex(lrs[0])} to {latex(lrs[-1])}).")
+        f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, "
+        f"every placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, one seed); "
+        f"at {latex(4e-3)} {len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step "
+        f"{went[0].runaway:,}), while every run's largest logit climbed (to "
+        f"{min(peak[r.name] for r in twice):,.0f}-{max(peak[r.name] for r in twice):,.0f}) and fell back. "
+        f"With QK-LayerNorm none of {len(normed)} runs ran away or spiked ({latex(lrs[0])} to "
+        f"{latex(lrs[-1])}).")
 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
@@ -497,8 +503,8 @@ def bottom_line(results: Path = RESULTS) -> str:
                          for name, group in sorted(groups.items()))
     def by_rate(cells: dict[tuple[str, float, bool], list[RunFacts]]) -> str:
         def count(lr: float, on: bool) -> str:
-            group = [r for (_, rate, with_it), cell in cells.items() if (rate, with_it) == (lr, on)
-                     for r in cell]
+            group = [r for (arm, rate, with_it), cell in cells.items()
+                     if (rate, with_it) == (lr, on) and arm in GRID_PLACEMENTS for r in cell]
             if group:
                 return f"{tally(group, 'runaway')[0]} of {len(group)}"
             if (lr, on) == (RECIPE[1], False):  # the survival runs of the grid's placements, to its horizon
