@@ -428,10 +428,10 @@ def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -
     1)); p = 1 when neither group has an event."""
     (ta, ea), (tb, eb) = a, b
     times, events = list(ta) + list(tb), list(ea) + list(eb)
-    runs, size = len(times), len(ta)
-    chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
     if not any(events):
         return 0.0, 1.0
+    runs, size = len(times), len(ta)
+    chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
     splits = math.comb(runs, size)
     if splits <= LOG_RANK_SPLITS:
         members = torch.tensor(list(itertools.combinations(range(runs), size)), dtype=torch.long)
