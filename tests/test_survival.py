@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from lowprec.analysis import (
     log_rank,
     lr_sweep,
     outcome,
+    stratified_p,
     survival_table,
     wilson,
 )
@@ -73,6 +75,30 @@ def test_fisher_exact_matches_hand_counts() -> None:
     assert fisher_p(5, 8, 0, 8) == fisher_p(0, 8, 5, 8)
     with pytest.raises(ValueError, match="k <= n"):
         fisher_p(4, 3, 0, 3)
+
+
+def test_stratified_p_counts_a_seed_once() -> None:
+    """Within seeds: 4 seeds of 2 of 2 runaways against 0 of 1 (under equal rates a seed's one survivor is
+    each of its 3 runs alike: p = (1/3)^4 = 1/81, where Fisher's test of the pooled 8 of 8 against 0 of 4
+    gives 1/495); a seed with one group only, or with an event in every run, tells nothing; one stratum is
+    Fisher's test; and the p equals a brute-force count over every placement of each seed's events."""
+    assert stratified_p([(2, 2, 0, 1)] * 4) == pytest.approx(1 / 81)
+    assert fisher_p(8, 8, 0, 4) == pytest.approx(1 / 495)
+    assert stratified_p([(1, 1, 0, 2), (1, 1, 0, 2), (1, 1, 0, 1), (1, 1, 0, 0)]) == pytest.approx(1 / 18)
+    assert stratified_p([(2, 2, 0, 1), (2, 2, 1, 1), (0, 3, 0, 2)]) == pytest.approx(1 / 3)
+    for table in ((3, 4, 1, 4), (3, 3, 0, 3), (0, 8, 5, 8), (2, 5, 2, 5)):
+        assert stratified_p([table]) == pytest.approx(fisher_p(*table))
+    strata = [(2, 3, 0, 2), (1, 2, 1, 3), (3, 3, 1, 2)]
+    sums: dict[int, int] = {}  # the first group's events summed over strata, over every placement of events
+    for picks in itertools.product(*(itertools.combinations(range(n1 + n2), k1 + k2)
+                                     for k1, n1, k2, n2 in strata)):
+        total = sum(sum(i < n1 for i in pick) for pick, (_, n1, _, _) in zip(picks, strata, strict=True))
+        sums[total] = sums.get(total, 0) + 1
+    count = sum(sums.values())
+    observed = sums[sum(k1 for k1, *_ in strata)]
+    assert stratified_p(strata) == pytest.approx(sum(n for n in sums.values() if n <= observed) / count)
+    with pytest.raises(ValueError, match="stratified_p needs"):
+        stratified_p([(3, 2, 0, 1)])
 
 
 def test_detection_power_is_exact() -> None:

@@ -4,7 +4,7 @@ per-head t-scores of the δ error, the paper's signature, the logits' onsets (ru
 run's events, recipe and name (`outcomes`, `recipe`, `recipe_label`, `split_name`), several experiment
 folders' runs at once (`experiment_runs`), criterion records (`criterion`, `combined_z`, `layer_t2`), one-line
 run summaries, and the survival statistics of many runs (`outcome`, `kaplan_meier`, `log_rank` by permutation,
-`wilson`, `survival_table`) and a learning-rate grid's (`lr_sweep`).
+`wilson`, `fisher_p`, `stratified_p` within seeds, `survival_table`) and a learning-rate grid's (`lr_sweep`).
 
 Reads records through lowprec.runs and computes with torch on small tensors; it imports no model, training or
 kernel code, so a chapter that only reads results stays fast.
@@ -464,6 +464,29 @@ def fisher_p(k1: int, n1: int, k2: int, n2: int) -> float:
               for k in range(max(0, events - n2), min(events, n1) + 1)}
     observed = tables[k1]
     return min(1.0, sum(p for p in tables.values() if p <= observed * (1 + 1e-9)))
+
+
+def stratified_p(strata: list[tuple[int, int, int, int]]) -> float:
+    """Two-sided p of the exact stratified test (the exact form of Cochran-Mantel-Haenszel's) for strata of
+    (k1, n1, k2, n2), e.g. one per seed: k1 of n1 runs of one group against k2 of n2 of the other within each
+    stratum. The statistic is k1 summed over the strata; under equal rates within each stratum, given its
+    margins, each stratum's k1 is hypergeometric, so runs that share a stratum (a seed's initial weights and
+    batches) are not counted as independent. p: the probability of a sum no more likely than the observed
+    one. A stratum with an empty group tells nothing and is left out; a single stratum gives `fisher_p`."""
+    if not strata or not all(0 <= k1 <= n1 and 0 <= k2 <= n2 for k1, n1, k2, n2 in strata):
+        raise ValueError(f"stratified_p needs strata of (k1, n1, k2, n2) with 0 <= k <= n, got {strata!r}")
+    sums, observed = {0: 1.0}, 0  # the distribution of k1 summed over the strata so far, and its value
+    for k1, n1, k2, n2 in strata:
+        if not (n1 and n2):
+            continue
+        events, total = k1 + k2, n1 + n2
+        own = {k: math.comb(n1, k) * math.comb(n2, events - k) / math.comb(total, events)
+               for k in range(max(0, events - n2), min(events, n1) + 1)}
+        merged: dict[int, float] = {}
+        for (t, pt), (k, pk) in itertools.product(sums.items(), own.items()):
+            merged[t + k] = merged.get(t + k, 0.0) + pt * pk
+        sums, observed = merged, observed + k1
+    return min(1.0, sum(p for p in sums.values() if p <= sums[observed] * (1 + 1e-9)))
 
 
 def detection_power(rate1: float, rate2: float, n: int, alpha: float = 0.05) -> float:
