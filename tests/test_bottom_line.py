@@ -74,6 +74,9 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     assert (paper, fa2, rowsum, fp32pv) == ((3, 3), (1, 3), (7, 12), (0, 7))
     assert stated(*paper, "seeds") in lines[0] and stated(*fa2, "seeds") in lines[0]
     assert stated(*rowsum, "runs") in lines[1] and stated(*fp32pv, "runs") in lines[1]
+    # seeds 1, 5 and 1337 (1 of 1 against 0 of 1) and 2 (1 of 2 against 0 of 2) each put their one runaway on
+    # the bf16 side with chance 1/2, and 3 and 8 (no runaway) tell nothing: two-sided 2 * (1/2)^4
+    assert "(Fisher's exact test p = 0.017; within the 6 seeds that ran both arms p = 0.12;" in lines[1]
     big = [load_run(EXPLODE / f) for f in ("bigbatch/paper64-s1337", "bigbatch-fa2/fa2-s1337")]
     steps = [f"{s:,}" for s in (*(runaway_step(r) for r in big), *(r.summary["diverged_step"] for r in big))]
     stated_steps = f"runaway at steps {steps[0]} and {steps[1]}, the stop rule at {steps[2]} and {steps[3]}"
@@ -236,10 +239,12 @@ def test_lr_finding_against_the_folders() -> None:
     assert sorted(stopped) == ["fa2-lr1e-3-s1", "fa2-lr1e-3-s3", "fa2-lr1e-3-s4", "paper64-lr1e-3-s2"]
     assert "8 of 8 over 4 seeds" in text and f"{len(stopped)} of them then reached the stop rule" in text
     assert "8 of 8 against 0 of 4 gives p = 0.002" in text  # 1/495: the one table as extreme
+    assert "the exact test within seeds (the same contrast, seed by seed) gives p = 0.012" in text  # (1/3)^4
     recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2, 3)]
     assert recipe == [None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
-    assert "A lower rate brought the runaway forward" in text and "`fa2` ran away in 4 of 4 runs" in text
-    assert "in 0 of 5 at the recipe's rate" in text and "p = 0.008" in text  # 1/126
+    assert "A lower rate did not prevent it" in text and "`fa2` ran away in 4 of 4 runs" in text
+    assert "in 0 of 5 at the recipe's rate" in text and "p = 0.0079" in text  # 1/126
+    assert "within seeds p = 0.056" in text  # seeds 1 and 2: 1/3 each, seed 3: 1/2, seed 4 (1e-3 only): 1
     onset = {f.name: runaway_step(load_run(f)) for f in at["1e-3"]}
     assert all(onset[f"paper64-lr1e-3-s{s}"] < onset[f"fa2-lr1e-3-s{s}"] for s in seeds)
     assert f"before `fa2` in each of the {len(seeds)} seeds at half the rate" in text
@@ -263,8 +268,8 @@ def test_lr_finding_goes_stale(tmp_path: Path) -> None:
 
 
 def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> None:
-    """The queue's model-fp32 runs at 1e-3 (no bf16 anywhere) join attention in fp32 in Fisher's test; one
-    that ran away, or a run of an arm the paragraph does not count, makes it stale."""
+    """The queue's model-fp32 runs at 1e-3 (no bf16 anywhere) join attention in fp32 in Fisher's test and the
+    test within seeds; one that ran away, or a run of an arm the paragraph does not count, makes it stale."""
     from lowprec.viz import bottom_line as module
 
     cells = module.grid_runs()
@@ -274,13 +279,15 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
         return lr_finding()
 
     plain = with_cells({})
-    assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.002:" in plain
+    assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.002;" in plain
     control = [dataclasses.replace(r, arm="model-fp32") for r in fp32[:2]]  # two runs that did not run away
     counted = with_cells({("model-fp32", 0.001, False): control})
     peak = max(largest_logit(explode_records()[r.name]) for r in control)
     assert (f"nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in any of 2 "
             f"(largest logit at most {peak:.0f}). Fisher's exact test of 8 of 8 against 0 of 6 gives "
-            f"p = {1 / 3003:.2g}:") in counted  # the pre-registered 1/3003
+            f"p = {1 / 3003:.2g};") in counted  # the pre-registered 1/3003
+    assert len({r.seed for r in control}) == 2  # two seeds of 2 of 2 against 0 of 2 (1/6 each), two of 0 of 1
+    assert f"within seeds (the same contrast, seed by seed) gives p = {1 / 324:.2g}:" in counted
     went = [dataclasses.replace(control[0], runaway=1000), control[1]]
     with pytest.raises(StaleClaim, match="no run without bf16 anywhere .model-fp32. ran away"):
         with_cells({("model-fp32", 0.001, False): went})

@@ -30,6 +30,7 @@ from lowprec.analysis import (
     recipe,
     recipe_label,
     split_name,
+    stratified_p,
     wilson,
 )
 from lowprec.instruments import study
@@ -255,6 +256,15 @@ def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS) -> float:
     return statistics.median(summary["tokens"] / summary["time_s"] for summary in summaries)
 
 
+def by_seed(first: list[RunFacts], second: list[RunFacts]) -> list[tuple[int, int, int, int]]:
+    """Per seed of either group: (runaways, runs) of `first`, then of `second` (`stratified_p`'s strata)."""
+    def count(group: list[RunFacts], seed: int) -> tuple[int, int]:
+        runs = [r for r in group if r.seed == seed]
+        return sum(r.runaway is not None for r in runs), len(runs)
+
+    return [(*count(first, s), *count(second, s)) for s in sorted({r.seed for r in first + second})]
+
+
 def lr_finding(results: Path = RESULTS) -> str:
     """What the learning-rate x QK-LayerNorm queue shows so far, in one Markdown paragraph that the intro and
     chapters 3 to 5 share (its `model-fp32` runs at 1e-3, the control without bf16, join attention in fp32 in
@@ -283,7 +293,9 @@ def lr_finding(results: Path = RESULTS) -> str:
           "at 1e-3 (every seed) every fa2 and paper64 run ran away, attn-fp32 stayed below 100")
     claim(not any(r.runaway for r in control), "at 1e-3 no run without bf16 anywhere (model-fp32) ran away")
     p = fisher_p(len(bf16), len(bf16), 0, len(fp32) + len(control))
-    claim(p < 0.01, "at 1e-3 Fisher's exact test of bf16 against fp32 attention below 0.01")
+    p_seeds = stratified_p(by_seed(bf16, fp32 + control))
+    claim(p < 0.01 and p_seeds < 0.05, "at 1e-3 bf16 against no bf16 in attention: Fisher's exact test below "
+          "0.01, the test within seeds below 0.05")
     nor = "" if not control else (
         f", nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in any of "
         f"{len(control)} (largest logit at most {max(peak[r.name] for r in control):.0f})")
@@ -293,6 +305,7 @@ def lr_finding(results: Path = RESULTS) -> str:
           "fa2 in the same seeds: no runaway at the recipe's rate (its survival runs) or at twice it")
     fa2_half = [r for r in bf16 if r.arm == "fa2"]
     p_fa2 = fisher_p(len(fa2_half), len(fa2_half), 0, len(recipe_fa2) + len(fa2_twice))
+    p_fa2_seeds = stratified_p(by_seed(fa2_half, recipe_fa2 + fa2_twice))
     claim(all(r.runaway <= steps_per_run for r in fa2_half) and p_fa2 < 0.01,
           "fa2 by the horizon: every run at 1e-3, none at 2e-3 or 4e-3 (Fisher p below 0.01)")
     paper_half = sorted(r.runaway for r in bf16 if r.arm == "paper64")
@@ -322,14 +335,17 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"{steps('paper64')}, `fa2` at {steps('fa2')}; {len(stopped)} of them then reached the stop rule) "
         f"and attention computed entirely in fp32 in none of {len(fp32)} (its largest logit at most "
         f"{max(peak[r.name] for r in fp32):.0f}){nor}. Fisher's exact test of {len(bf16)} of {len(bf16)} "
-        f"against 0 of {len(fp32) + len(control)} gives p = {p:.2g}: at that rate a bf16 rounding point in "
+        f"against 0 of {len(fp32) + len(control)} gives p = {p:.2g}; the runs of one seed share its initial "
+        f"weights and batches, and the exact test within seeds (the same contrast, seed by seed) gives "
+        f"p = {p_seeds:.2g}: at that rate a bf16 rounding point in "
         f"attention starts a runaway that the learning rate alone does not (which rounding point, this "
         f"contrast does not say: the two bf16 placements share several, $\\bar P$ rounded for $\\bar PV$ "
-        f"among them). A lower rate brought the runaway forward: by step {steps_per_run:,} `fa2` ran away "
+        f"among them). A lower rate did not prevent it and may have brought it forward: by step "
+        f"{steps_per_run:,} `fa2` ran away "
         f"in {len(fa2_half)} of {len(fa2_half)} runs at half the recipe's rate and in 0 of "
         f"{len(recipe_fa2) + len(fa2_twice)} at the recipe's rate (seeds {listed(recipe_fa2)}, none by "
         f"{horizon('survival', results):,} either) and twice it (seeds {listed(fa2_twice)}), Fisher's exact "
-        f"test p = {p_fa2:.3f}; the authors' placement ran away at steps "
+        f"test p = {p_fa2:.2g}, within seeds p = {p_fa2_seeds:.2g}; the authors' placement ran away at steps "
         f"{paper_half[0]:,}-{paper_half[-1]:,} at half the rate, against "
         f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs), and before "
         f"`fa2` in each of the {len(seeds)} seeds at half the rate (its row sum and scores in bf16 too). "
@@ -403,6 +419,10 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(tally(rowsum, "runaway") == (7, 12), "bf16rowsum: 7 of 12 at 32k")
     claim(tally(fp32pv, "runaway") == (0, 7), "fp32pv: 0 of 7 at 32k")
     claim(tally(nopv, "runaway") == (3, 3), "paper64-fp32pv: 3 of 3")
+    both = {r.seed for r in rowsum} & {r.seed for r in fp32pv}
+    ell_p, ell_p_seeds = fisher_p(*tally(rowsum, "runaway"), *tally(fp32pv, "runaway")), stratified_p(
+        by_seed(rowsum, fp32pv))
+    claim(ell_p < 0.05 < ell_p_seeds, "bf16rowsum against fp32pv: Fisher below 0.05, within seeds not")
     big_fp32pv = select(runs, "fp32pv", LARGE, BIG_CORPUS)
     claim(len(big_fp32pv) == 2 and {r.seed for r in big_fp32pv} == {1337}
           and all(r.runaway and not r.explosion for r in big_fp32pv),
@@ -431,7 +451,10 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
         f"{rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The runaways go with a bf16 row sum "
         f"$\\ell$: rounding only $\\ell$ (`bf16rowsum`) ran away in {rate(*tally(rowsum, 'runaway'))}, the "
-        f"same arm with $\\ell$ in fp32 (`fp32pv`) in {rate(*tally(fp32pv, 'runaway'))}. An fp32 $\\ell$ "
+        f"same arm with $\\ell$ in fp32 (`fp32pv`) in {rate(*tally(fp32pv, 'runaway'))} (Fisher's exact "
+        f"test p = {ell_p:.2g}; within the {len(both)} seeds that ran both arms p = {ell_p_seeds:.2g}; the "
+        f"runs are of unequal length, {min(r.steps for r in rowsum + fp32pv):,} to "
+        f"{max(r.steps for r in rowsum + fp32pv):,} steps). An fp32 $\\ell$ "
         f"does not rule a runaway out: `fa2` keeps it in fp32 and ran away once at {SMALL:,} tokens per "
         f"step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away in both runs of its one seed (without "
         f"the stop rule). These are counts; no single run shows a cause. At the recipe's learning rate none "
@@ -478,9 +501,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps at half and twice "
         f"it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model with no bf16 "
         f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
-        f"away, that contrast is significant (above); at the recipe's rate the runs are still too few to "
-        f"tell. A lower learning rate is no cure on this evidence: at half the recipe's rate both bf16 "
-        f"placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
+        f"away, that contrast holds within seeds too (above); at the recipe's rate the runs are still too "
+        f"few to tell. A lower learning rate is no cure on this evidence: at half the recipe's rate both "
+        f"bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
         f"{len({r.seed for group in half.values() for r in group})} seeds each), sooner than at the "
         f"recipe's. Keep the row sum $\\ell$ and the scores in fp32, as the production placement does: that "
         f"cut the runaway count at the recipe's rate, not to zero. Do not count on the paper's Fix: with it "
