@@ -318,6 +318,11 @@ def bias_probe(cfg: ControlConfig, placement: str, treatment: str, batches: int 
     precision, fix = treatment_precision(placement, treatment, cfg.beta)
     if precision is None:
         raise ValueError("bias_probe compares a rounded run with float64; treatment must not be 'reference'")
+    return rounding_probe(cfg, precision, fix, batches)
+
+
+def rounding_probe(cfg: ControlConfig, precision: Precision, fix: Fix | None, batches: int = 100) -> dict:
+    """`bias_probe` for any precision and Fix (e.g. one of a placement's rounding points left out)."""
     prob = make_problem(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     rows = []
