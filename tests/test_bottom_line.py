@@ -223,6 +223,22 @@ def test_common_spikes_per_seed_earliest_of_a_tie() -> None:
         1: (500, ["a", "b"]), 2: (700, ["e"])}
 
 
+def test_what_fails_names_fa2s_runs_on_each_corpus(lines: list[str]) -> None:
+    """The production placement's runs on the larger corpus, read folder by folder, and the explosions by
+    batch; the study's runs deterministic, the lead's not."""
+    half = [load_run(f) for f in sorted((EXPLODE / "lr-qknorm").glob("fa2-lr1e-3-s[0-9]"))]
+    recipe = [load_run(f) for f in sorted((EXPLODE / "survival").glob("fa2-s[0-9]"))]
+    assert len(half) == 4 and all(runaway_step(r) is not None for r in half)
+    stopped = sum(r.summary["diverged_step"] is not None for r in half)
+    assert recipe and not any(runaway_step(r) for r in recipe)
+    assert (f"it ran away in none of its {len(recipe)} runs at that learning rate (8,000 steps each) and in "
+            f"all {len(half)} at half of it ({stopped} of them then exploded)") in lines[0]
+    assert "Of the 18 runs the stop rule ended, 14 were at 32,768 tokens per step." in lines[0]
+    assert all(r.config.get("deterministic") for r in half + recipe)
+    assert load_run(EXPLODE / "lead-s1337" / "fa2-s1337").config.get("deterministic") is None
+    assert "which every run of the study used, a seed fixes a run" in lines[3]
+
+
 def test_lr_finding_against_the_folders() -> None:
     """The learning-rate paragraph's counts, read folder by folder; twins pair the same seed."""
     text, lr = lr_finding(), EXPLODE / "lr-qknorm"
