@@ -319,3 +319,16 @@ def test_tokens_per_s_is_the_median_over_the_records() -> None:
     assert runs and tokens_per_s(runs) == statistics.median(s["tokens"] / s["time_s"] for s in summaries)
     fp32 = tokens_per_s(study_groups()["attn-fp32"])
     assert f"{tokens_per_s(runs) / fp32:.1f} times `fa2`'s training time per token" in bottom_line()
+
+
+def test_the_chapters_summaries_count_from_the_records() -> None:
+    """Chapters 3, 3b and 5 open with summaries the library counts: their numbers, read from the same runs."""
+    from lowprec.viz import in_short
+
+    text = in_short.explosion()
+    assert text.count("\n- ") == 3 and "(6 of 6: the authors' placement `paper64`" in text
+    assert "a third `paper64` run, lost with its machine at step 1,221, had not yet" in text
+    assert in_short.growing_heads().hits == (3, 4, 2, 20)
+    assert in_short.growing_heads() is in_short.growing_heads(), "the criterion records are read once"
+    box = in_short.what_to_change()
+    assert box.startswith("**What to change, in short**") and "0 of 10 runs ran away" in box

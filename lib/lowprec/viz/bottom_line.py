@@ -265,6 +265,48 @@ def by_seed(first: list[RunFacts], second: list[RunFacts]) -> list[tuple[int, in
     return [(*count(first, s), *count(second, s)) for s in sorted({r.seed for r in first + second})]
 
 
+@dataclass(frozen=True)
+class HalfRate:
+    """The half-rate contrasts of the learning-rate queue: its runs at 1e-3 without QK-LayerNorm (`bf16`:
+    `fa2` and `paper64`; `fp32`: attention in fp32; `control`: `model-fp32`), and `fa2` at 1e-3 against `fa2`
+    in the same seeds at the recipe's rate (its survival runs) and twice it; each contrast's runaways by
+    Fisher's exact test and by the exact test within seeds."""
+
+    bf16: list[RunFacts]
+    fp32: list[RunFacts]
+    control: list[RunFacts]
+    fa2_half: list[RunFacts]
+    fa2_recipe: list[RunFacts]
+    fa2_twice: list[RunFacts]
+
+    @property
+    def p(self) -> float:
+        return fisher_p(*tally(self.bf16, "runaway"), *tally(self.fp32 + self.control, "runaway"))
+
+    @property
+    def p_seeds(self) -> float:
+        return stratified_p(by_seed(self.bf16, self.fp32 + self.control))
+
+    @property
+    def p_fa2(self) -> float:
+        return fisher_p(*tally(self.fa2_half, "runaway"), *tally(self.fa2_recipe + self.fa2_twice, "runaway"))
+
+    @property
+    def p_fa2_seeds(self) -> float:
+        return stratified_p(by_seed(self.fa2_half, self.fa2_recipe + self.fa2_twice))
+
+
+def half_rate(results: Path = RESULTS) -> HalfRate:
+    """The `HalfRate` runs of the records (`lr_finding` checks what it says of them)."""
+    half = [r for group in grid_cell("1e-3", False, results).values() for r in group]
+    seeds = {r.seed for r in half}
+    bf16 = [r for r in half if r.arm != "attn-fp32"]
+    return HalfRate(bf16, [r for r in half if r.arm == "attn-fp32"], grid_runs(results).get(GRID_CONTROL, []),
+                    [r for r in bf16 if r.arm == "fa2"],
+                    [r for r in study_groups("survival", results).get("fa2", []) if r.seed in seeds],
+                    grid_cell("4e-3", False, results)["fa2"])
+
+
 def lr_finding(results: Path = RESULTS) -> str:
     """What the learning-rate x QK-LayerNorm queue shows so far, in one Markdown paragraph that the intro and
     chapters 3 to 5 share (its `model-fp32` runs at 1e-3, the control without bf16, join attention in fp32 in
@@ -274,7 +316,8 @@ def lr_finding(results: Path = RESULTS) -> str:
     claim(all(arm in GRID_PLACEMENTS or (arm, lr, on) == GRID_CONTROL for arm, lr, on in cells),
           "the lr-qknorm records hold runs of fa2, paper64 and attn-fp32, and of model-fp32 at 1e-3 without "
           "QK-LayerNorm only")
-    control = cells.get(GRID_CONTROL, [])
+    contrast = half_rate(results)
+    control = contrast.control
     high, twice, half = ([r for group in grid_cell(lr, False, results).values() for r in group]
                          for lr in ("8e-3", "4e-3", "1e-3"))
     claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
@@ -285,27 +328,23 @@ def lr_finding(results: Path = RESULTS) -> str:
     peak = {r.name: largest_logit(records[r.name]) for r in twice + half + control}
     claim(all(peak[r.name] > 200 and last_logit(records[r.name]) < peak[r.name] / 2 for r in twice),
           "at 4e-3 every run's largest logit climbed past 200 and fell back below half its peak")
-    bf16, fp32 = [r for r in half if r.arm != "attn-fp32"], [r for r in half if r.arm == "attn-fp32"]
+    bf16, fp32 = contrast.bf16, contrast.fp32
     seeds = sorted({r.seed for r in half})
     claim(len(seeds) >= 4 and len(bf16) == 2 * len(seeds) and len(fp32) == len(seeds)
           and all(r.runaway is not None for r in bf16) and not any(r.runaway for r in fp32)
           and max(peak[r.name] for r in fp32) < 100,
           "at 1e-3 (every seed) every fa2 and paper64 run ran away, attn-fp32 stayed below 100")
     claim(not any(r.runaway for r in control), "at 1e-3 no run without bf16 anywhere (model-fp32) ran away")
-    p = fisher_p(len(bf16), len(bf16), 0, len(fp32) + len(control))
-    p_seeds = stratified_p(by_seed(bf16, fp32 + control))
+    p, p_seeds = contrast.p, contrast.p_seeds
     claim(p < 0.01 and p_seeds < 0.05, "at 1e-3 bf16 against no bf16 in attention: Fisher's exact test below "
           "0.01, the test within seeds below 0.05")
     nor = "" if not control else (
         f", nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in any of "
         f"{len(control)} (largest logit at most {max(peak[r.name] for r in control):.0f})")
-    recipe_fa2 = [r for r in study_groups("survival", results).get("fa2", []) if r.seed in seeds]
-    fa2_twice = [r for r in twice if r.arm == "fa2"]
+    recipe_fa2, fa2_twice, fa2_half = contrast.fa2_recipe, contrast.fa2_twice, contrast.fa2_half
     claim(len(recipe_fa2) >= 3 and not any(r.runaway for r in recipe_fa2 + fa2_twice),
           "fa2 in the same seeds: no runaway at the recipe's rate (its survival runs) or at twice it")
-    fa2_half = [r for r in bf16 if r.arm == "fa2"]
-    p_fa2 = fisher_p(len(fa2_half), len(fa2_half), 0, len(recipe_fa2) + len(fa2_twice))
-    p_fa2_seeds = stratified_p(by_seed(fa2_half, recipe_fa2 + fa2_twice))
+    p_fa2, p_fa2_seeds = contrast.p_fa2, contrast.p_fa2_seeds
     claim(all(r.runaway <= steps_per_run for r in fa2_half) and p_fa2 < 0.01,
           "fa2 by the horizon: every run at 1e-3, none at 2e-3 or 4e-3 (Fisher p below 0.01)")
     paper_half = sorted(r.runaway for r in bf16 if r.arm == "paper64")
