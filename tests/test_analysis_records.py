@@ -11,7 +11,7 @@ import pytest
 import torch
 from lowprec import analysis
 from lowprec.runs import RunWriter, experiments, load_experiment, load_run
-from lowprec.viz.plots import logit_figure, survival_figure
+from lowprec.viz.plots import logit_figure, name_overlaps, new_figure, survival_figure
 
 CONFIG = {"warmup_iters": 0, "seed": 1, "batch_size": 4, "grad_accum": 2, "lr": 2e-3, "min_lr": 1e-5,
           "lr_decay_iters": 30000,
@@ -223,10 +223,35 @@ def test_figures(run) -> None:
     assert fig.data[0].line.color == "#d62728" and fig.data[1].line.color is None
     assert fig.data[1].line.dash == "dot"
     assert fig.layout.xaxis.title.text == "step" and "logit" in fig.layout.yaxis.title.text
-    curves = {"fa2": [(0, 1.0), (100, 0.5)], "other": [(0, 1.0)]}
-    km = survival_figure("survival", curves, horizon=800)
+    calm = analysis.Outcome(None, None, None, 800)
+    table = analysis.survival_table({"fa2": [analysis.Outcome(100, 1, None, 800), calm], "other": [calm],
+                                     "third": [calm, calm]})
+    km = survival_figure("survival", table, "runaway", horizon=800)
     assert list(km.data[0].x) == [0, 100, 800] and list(km.data[0].y) == [1.0, 0.5, 0.5]
     assert list(km.data[1].x) == [0, 800] and km.data[1].line.shape == "hv"
+    assert [trace.name for trace in km.data] == ["fa2: 1 of 2", "other: 0 of 1", "third: 0 of 2"]
+    assert km.layout.title.subtitle.text.endswith("one line at 1: other, third")  # the lines hidden in one
+    del table["third"]  # one flat line: nothing hidden
+    assert not survival_figure("survival", table, "runaway", horizon=800).layout.title.subtitle.text
+
+
+def test_name_overlaps_names_the_lines_a_reader_cannot_see() -> None:
+    """Lines within 1% of the axis's span of each other, at the same x, are named by group; on a log axis the
+    span is in decades; a line apart from the rest, or at other x values, is not named."""
+    fig = new_figure("t", "step", "y")
+    for name, y in (("a", [0, 5, 10]), ("b", [0, 0.05, 0.02]), ("c", [0.01, 0, 0.05]), ("d", [0, 5.05, 10]),
+                    ("e", [0, 0.5, 0])):
+        fig.add_scatter(x=[0, 1, 2], y=y, mode="lines", name=name)
+    fig.add_scatter(x=[0, 1, 3], y=[0, 0.05, 0.02], mode="lines", name="other x")
+    text = name_overlaps(fig).layout.title.subtitle.text
+    assert text == "drawn on one another (within 1% of the axis): a, d; b, c"
+    log = new_figure("t", "step", "y", yaxis_type="log")
+    for name, y in (("a", [1, 1e4]), ("b", [1.01, 1.02e4]), ("c", [1, 1.3e4])):
+        log.add_scatter(x=[0, 1], y=y, mode="lines", name=name)
+    assert name_overlaps(log).layout.title.subtitle.text.endswith(": a, b")  # c is 0.11 of 4 decades away
+    alone = new_figure("t", "step", "y")
+    alone.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="a")
+    assert not name_overlaps(alone).layout.title.subtitle.text
 
 
 def test_experiments_lists_folders_that_hold_runs(tmp_path) -> None:

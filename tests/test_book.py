@@ -281,6 +281,16 @@ LEGIBLE = """() => {
       return b.width > 0 && b.top >= g.top - 1 && b.bottom <= g.bottom + 1;
     }).length;
     if (drawn < texts) problems.push(`${name}: ${texts - drawn} of ${texts} annotations not drawn in it`);
+    const titles = [...gd.querySelectorAll('.gtitle, .gtitle-subtitle, [class$="title"][class^="x"], '
+      + '[class$="title"][class^="y"]')].filter(e => e.textContent && box(e).width > 0);
+    for (const t of titles) {
+      const b = box(t);
+      if (b.left < g.left - 1 || b.right > g.right + 1 || b.top < g.top - 1 || b.bottom > g.bottom + 1)
+        problems.push(`${name}: its title "${t.textContent.slice(0, 40)}" runs past the figure's edge`);
+      const over = titles.filter(u => u !== t && t.compareDocumentPosition(u) & 4 && meet(b, box(u)));
+      const text = e => `"${e.textContent.slice(0, 30)}"`;
+      if (over.length) problems.push(`${name}: ${text(t)} overlaps ${text(over[0])}`);
+    }
     const cells = [...gd.querySelectorAll('.cell-rect')].map(box);
     if (cells.length && Math.max(...cells.map(c => c.bottom)) > g.bottom + 1)
       problems.push(`${name}: rows cut off`);

@@ -185,7 +185,13 @@ def test_lr_sweep_counts_runaways_by_series_and_rate() -> None:
     fig = lr_figure("runaways against the learning rate", sweep)
     shares = [t for t in fig.data if t.xaxis == "x"]
     assert [list(t.y) for t in shares] == [[0.0, 2 / 3], [0.0]]
-    assert len({t.line.color for t in shares}) == 2 and fig.layout.xaxis.type == "log"
+    assert len({t.line.color for t in shares}) == 1 and [t.line.dash for t in shares] == ["solid", "dot"]
+    assert fig.layout.xaxis.type == "log" and list(fig.layout.xaxis.ticktext) == ["0.001", "0.008"]
+    assert shares[0].marker.size > shares[1].marker.size  # the later series drawn inside the earlier
+    assert not fig.layout.title.subtitle.text  # only fa2 + QK-LayerNorm is flat: nothing hidden
+    sweep["attn-fp32"] = [{"lr": 1e-3, "runs": 2, "runaways": 0, "loss": 2.0}]
+    assert lr_figure("t", sweep).layout.title.subtitle.text.endswith(
+        "one line at 0: fa2 + QK-LayerNorm, attn-fp32")
 
 
 def test_lr_sweep_reads_a_longer_run_up_to_the_horizon() -> None:

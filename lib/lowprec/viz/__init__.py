@@ -14,10 +14,10 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.io.base_renderers import MimetypeRenderer
 
-from lowprec.viz.plots import COLOURWAY, FIELD_COLOURS, bit_fields_figure, new_figure, table_figure
+from lowprec.viz.plots import COLOURWAY, FIELD_COLOURS, bit_fields_figure, new_figure, set_title, table_figure
 
 __all__ = ["COLOURWAY", "FIELD_COLOURS", "LEGEND_BELOW", "bit_fields_figure", "book_build", "book_template",
-           "new_figure", "setup", "table_figure"]
+           "new_figure", "set_title", "setup", "table_figure"]
 
 FIGURE_HEIGHT = 440
 LEGEND_BELOW = {"orientation": "h", "yref": "container", "y": 0, "yanchor": "bottom", "x": 0,

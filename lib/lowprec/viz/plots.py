@@ -27,10 +27,54 @@ FIELD_COLOURS = {"sign": "#d62728", "exponent": "#1f77b4", "significand": "#2ca0
 TABLE_WIDTH, CHAR_WIDTH, CELL_PADDING, LINE_HEIGHT, ROW_PADDING = 680, 6.0, 6, 16, 20
 
 
+TITLE_CHARS = 80  # characters a title's line holds at the book's narrowest figure width (688 px)
+
+
+def set_title(fig: go.Figure, title: str, top: int = 60) -> go.Figure:
+    """Give `fig` its title, wrapped at TITLE_CHARS characters a line (plotly clips a long one at the
+    figure's edge), and `top` px above the plot plus a line's height for each line after the first."""
+    lines = [line for part in title.split("<br>") for line in textwrap.wrap(part, TITLE_CHARS) or [""]]
+    fig.update_layout(title="<br>".join(lines), margin={"t": top + 22 * (len(lines) - 1)})
+    return fig
+
+
 def new_figure(title: str, x_title: str, y_title: str, **layout) -> go.Figure:
-    """An empty figure with a title and both axis titles (give units in them, e.g. "error (ulps)")."""
+    """An empty figure with a title (`set_title`) and both axis titles (give units in them, e.g. "error
+    (ulps)")."""
     fig = go.Figure()
-    fig.update_layout(title=title, xaxis_title=x_title, yaxis_title=y_title, margin={"t": 60}, **layout)
+    fig.update_layout(xaxis_title=x_title, yaxis_title=y_title, **layout)
+    return set_title(fig, title)
+
+
+def name_overlaps(fig: go.Figure, share: float = 0.01) -> go.Figure:
+    """Name in `fig`'s subtitle the line traces drawn on one another, so that a reader knows of the ones
+    hidden under the last drawn: traces of one pair of axes and the same x values whose y values all lie
+    within `share` of the span of that pair's y values (in decades on a log axis) from the group's first.
+    Traces with gaps (None) are left out."""
+    panels: dict[tuple, list] = {}  # (x axis, y axis) -> [(trace, y values)]
+    for trace in fig.data:
+        if (trace.type == "scatter" and "lines" in (trace.mode or "lines") and trace.y is not None
+                and None not in trace.y):
+            yaxis = fig.layout["yaxis" + (trace.yaxis or "y")[1:]]
+            y = [math.log10(v) if yaxis.type == "log" else v for v in trace.y]
+            panels.setdefault((trace.xaxis, trace.yaxis), []).append((trace, y))
+    shared = []
+    for traces in panels.values():
+        values = [v for _, y in traces for v in y]
+        tol = share * (max(values) - min(values))
+        groups: list[list] = []
+        for trace, y in traces:
+            same = [g for g in groups if list(g[0][0].x) == list(trace.x)
+                    and max(abs(a - b) for a, b in zip(g[0][1], y, strict=True)) <= tol]
+            if same:
+                same[0].append((trace, y))
+            else:
+                groups.append([(trace, y)])
+        shared += [", ".join(t.name for t, _ in group) for group in groups if len(group) > 1]
+    if shared:
+        fig.update_layout(title_subtitle_text=f"drawn on one another (within {share:.0%} of the axis): "
+                                              + "; ".join(shared))
+        fig.layout.margin.t += 20
     return fig
 
 
@@ -100,14 +144,14 @@ def logit_figure(title: str, runs: dict[str, Run], colours: dict[str, str] | Non
                  dashes: dict[str, str] | None = None, layer: int = 1) -> go.Figure:
     """`layer_logit` of each run (log scale), in its colour and dash where `colours` / `dashes` name one (the
     template's distinct colours otherwise), with the runaway threshold."""
-    fig = new_figure(title, "step", f"largest logit of layer index {layer} (over heads and sampled rows)",
+    fig = new_figure(title, "step", f"largest logit of layer index {layer}<br>(over heads and sampled rows)",
                      yaxis_type="log")
     for name, run in runs.items():
         steps, largest = layer_logit(run, layer)
         line = {key: given[name] for key, given in (("color", colours), ("dash", dashes))
                 if given and name in given}
         fig.add_scatter(x=steps, y=largest, mode="lines", name=name, line=line)
-    fig.add_hline(y=RUNAWAY_LOGIT, line_dash="dot", line_color="grey")
+    fig.add_hline(y=RUNAWAY_LOGIT, line_dash="dot", line_color="black", line_width=1)  # no run's colour
     fig.add_annotation(text="runaway threshold", x=1, xref="paper", xanchor="right",
                        y=math.log10(RUNAWAY_LOGIT),  # on a log axis, an annotation's y is log10 of its value
                        yanchor="bottom", showarrow=False)
@@ -115,30 +159,51 @@ def logit_figure(title: str, runs: dict[str, Run], colours: dict[str, str] | Non
 
 
 def lr_figure(title: str, sweep: dict[str, list[dict]]) -> go.Figure:
-    """`analysis.lr_sweep` as two panels against the learning rate (log axis): the share of runs that ran
-    away, and the median loss at the horizon; one colour per series in both."""
+    """`analysis.lr_sweep` as two panels against the learning rate (log axis, a tick at each rate): the share
+    of runs that ran away, and the median loss at the horizon. One colour per placement, QK-LayerNorm's series
+    dotted with open markers; markers shrink series by series, so that series drawn on one another all show,
+    and the subtitle names the series with no runaway at any rate (one line at 0)."""
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=["share of runs with a runaway", "median loss at the horizon"])
+    placements = list(dict.fromkeys(label.split(" + ")[0] for label in sweep))
     for i, (label, rows) in enumerate(sweep.items()):
-        colour = COLOURWAY[i % len(COLOURWAY)]
+        qkln = " + " in label
+        style = {"line_color": COLOURWAY[placements.index(label.split(" + ")[0]) % len(COLOURWAY)],
+                 "line_dash": "dot" if qkln else "solid", "marker_size": max(4, 13 - 2 * i),
+                 "marker_symbol": "circle-open" if qkln else "circle", "legendgroup": label}
         lrs = [r["lr"] for r in rows]
         fig.add_scatter(x=lrs, y=[r["runaways"] / r["runs"] for r in rows], mode="lines+markers", name=label,
-                        legendgroup=label, line_color=colour, row=1, col=1,
-                        customdata=[[r["runaways"], r["runs"]] for r in rows],
-                        hovertemplate="lr %{x:g}: %{customdata[0]} of %{customdata[1]} runs<extra></extra>")
+                        row=1, col=1, customdata=[[r["runaways"], r["runs"]] for r in rows],
+                        hovertemplate="lr %{x:g}: %{customdata[0]} of %{customdata[1]} runs<extra></extra>",
+                        **style)
         fig.add_scatter(x=lrs, y=[r["loss"] for r in rows], mode="lines+markers", name=label,
-                        legendgroup=label, showlegend=False, line_color=colour, row=1, col=2)
-    fig.update_xaxes(type="log", title_text="peak learning rate")
+                        showlegend=False, row=1, col=2, **style)
+    rates = sorted({r["lr"] for rows in sweep.values() for r in rows})
+    fig.update_xaxes(type="log", title_text="peak learning rate", tickvals=rates,
+                     ticktext=[f"{lr:g}" for lr in rates])
     fig.update_yaxes(title_text="share of runs", range=[-0.05, 1.05], row=1, col=1)
     fig.update_yaxes(title_text="loss (nats per token)", row=1, col=2)
-    fig.update_layout(title=title, margin={"t": 80})
+    set_title(fig, title, top=80)
+    calm = [label for label, rows in sweep.items() if not any(r["runaways"] for r in rows)]
+    if len(calm) > 1:
+        fig.update_layout(title_subtitle_text="no runaway at any rate, so one line at 0: " + ", ".join(calm))
+        fig.layout.margin.t += 20
     return fig
 
 
-def survival_figure(title: str, curves: dict[str, list[tuple[int, float]]], horizon: int) -> go.Figure:
-    """Kaplan-Meier curves (`analysis.kaplan_meier`: [(step, S)]), one per arm, as steps to `horizon`."""
-    fig = new_figure(title, "step", "share of runs without the event (Kaplan-Meier)", yaxis_range=[0, 1.05])
-    for name, curve in curves.items():
+def survival_figure(title: str, table: dict[str, dict], event: str, horizon: int) -> go.Figure:
+    """Kaplan-Meier curves of `event` ("runaway" or "explosion"), one per arm of `table`
+    (`analysis.survival_table`), as steps to `horizon`; each arm's legend entry counts its events and runs.
+    Arms with no event draw the same line at 1, so the subtitle names them."""
+    fig = new_figure(title, "step", "share of runs without the event<br>(Kaplan-Meier)",
+                     yaxis_range=[0, 1.05])
+    for arm, row in table.items():
+        curve = row[event]["curve"]
         fig.add_scatter(x=[t for t, _ in curve] + [horizon], y=[s for _, s in curve] + [curve[-1][1]],
-                        mode="lines", line_shape="hv", name=name)
+                        mode="lines", line_shape="hv", name=f"{arm}: {row[event]['events']} of {row['runs']}")
+    flat = [arm for arm, row in table.items() if row[event]["events"] == 0]
+    if len(flat) > 1:
+        fig.update_layout(title_subtitle_text=f"no {event} by step {horizon:,}, so one line at 1: "
+                                              + ", ".join(flat))
+        fig.layout.margin.t += 20
     return fig

@@ -352,7 +352,8 @@ def precision_twin(
         edge_x = sig(edges[g].tolist())
         for j, name in enumerate(specs):
             style = {"legendgroup": name, "visible": i == 0, "marker_color": colours[name], "name": name}
-            fig.add_scatter(x=edge_x, y=first["y"][3 * j], mode="lines", line={"shape": "hv", "width": 2,
+            width = 1.5 + 1.2 * (len(specs) - 1 - j)  # each wider than the next: equal histograms all show
+            fig.add_scatter(x=edge_x, y=first["y"][3 * j], mode="lines", line={"shape": "hv", "width": width,
                             "color": colours[name]}, **style, row=1, col=1,
                             hovertemplate="δ error %{x:.3g}: %{y:.2f}% of rows<extra>" + name + "</extra>")
             fig.add_bar(x=["t(O)", "t(δ)"], y=first["y"][3 * j + 1], text=first["text"][3 * j + 1],

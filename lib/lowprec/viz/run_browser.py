@@ -86,9 +86,10 @@ def run_note(name: str, run: Run, spec: bool = True, sep: str = "; ") -> str:
 def _frame(title: str, subtitle: str = "", height: int = 1000, top: int = 110) -> go.Figure:
     fig = make_subplots(rows=ROWS, cols=2, shared_xaxes=True, vertical_spacing=0.07, horizontal_spacing=0.13,
                         subplot_titles=[title for _, title, _, _ in PANELS])
-    for i, (_, _, y_title, log) in enumerate(PANELS):
+    for i, (name, _, y_title, log) in enumerate(PANELS):
         row, col = _cell(i)
-        axis = {"type": "log", "dtick": 1} if log else {}
+        # a share's axis starts at 0 (all zeros: 0 to 1, not -1 to 1)
+        axis = {"type": "log", "dtick": 1} if log else {"rangemode": "nonnegative"} if name in PER_ROW else {}
         fig.update_yaxes(title_text=y_title, **axis, row=row, col=col)
         if row == ROWS:
             fig.update_xaxes(title_text="step", row=row, col=col)
