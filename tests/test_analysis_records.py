@@ -236,19 +236,20 @@ def test_figures(run) -> None:
 
 
 def test_name_overlaps_names_the_lines_a_reader_cannot_see() -> None:
-    """Lines within 1% of the axis's span of each other, at the same x, are named by group; on a log axis the
-    span is in decades; a line apart from the rest, or at other x values, is not named."""
+    """Lines within 2% of the axis's span of each other at 95% of their points or more, at the same x, are
+    named by group; on a log axis the span is in decades; a line apart from the rest, or at other x values,
+    is not named."""
     fig = new_figure("t", "step", "y")
     for name, y in (("a", [0, 5, 10]), ("b", [0, 0.05, 0.02]), ("c", [0.01, 0, 0.05]), ("d", [0, 5.05, 10]),
                     ("e", [0, 0.5, 0])):
         fig.add_scatter(x=[0, 1, 2], y=y, mode="lines", name=name)
     fig.add_scatter(x=[0, 1, 3], y=[0, 0.05, 0.02], mode="lines", name="other x")
     text = name_overlaps(fig).layout.title.subtitle.text
-    assert text == "drawn on one another (within 1% of the axis): a, d; b, c"
+    assert text == "drawn on one another (within 2% of the axis at 95% of the points): a = d; b = c"
     log = new_figure("t", "step", "y", yaxis_type="log")
     for name, y in (("a", [1, 1e4]), ("b", [1.01, 1.02e4]), ("c", [1, 1.3e4])):
         log.add_scatter(x=[0, 1], y=y, mode="lines", name=name)
-    assert name_overlaps(log).layout.title.subtitle.text.endswith(": a, b")  # c is 0.11 of 4 decades away
+    assert name_overlaps(log).layout.title.subtitle.text.endswith(": a = b")  # c is 0.11 of 4 decades away
     alone = new_figure("t", "step", "y")
     alone.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="a")
     assert not name_overlaps(alone).layout.title.subtitle.text

@@ -28,6 +28,7 @@ TABLE_WIDTH, CHAR_WIDTH, CELL_PADDING, LINE_HEIGHT, ROW_PADDING = 680, 6.0, 6, 1
 
 
 TITLE_CHARS = 80  # characters a title's line holds at the book's narrowest figure width (688 px)
+SUBTITLE_CHARS = 100  # and a subtitle's line (a smaller font)
 
 
 def set_title(fig: go.Figure, title: str, top: int = 60) -> go.Figure:
@@ -35,6 +36,16 @@ def set_title(fig: go.Figure, title: str, top: int = 60) -> go.Figure:
     figure's edge), and `top` px above the plot plus a line's height for each line after the first."""
     lines = [line for part in title.split("<br>") for line in textwrap.wrap(part, TITLE_CHARS) or [""]]
     fig.update_layout(title="<br>".join(lines), margin={"t": top + 22 * (len(lines) - 1)})
+    return fig
+
+
+def add_subtitle(fig: go.Figure, text: str) -> go.Figure:
+    """Add `text` to `fig`'s subtitle, wrapped at SUBTITLE_CHARS characters a line, with room above the plot
+    for each line."""
+    lines = textwrap.wrap(text, SUBTITLE_CHARS)
+    before = fig.layout.title.subtitle.text
+    fig.update_layout(title_subtitle_text="<br>".join([before, *lines] if before else lines))
+    fig.layout.margin.t = (fig.layout.margin.t or 60) + 18 * len(lines) + (0 if before else 4)
     return fig
 
 
@@ -46,11 +57,11 @@ def new_figure(title: str, x_title: str, y_title: str, **layout) -> go.Figure:
     return set_title(fig, title)
 
 
-def name_overlaps(fig: go.Figure, share: float = 0.01) -> go.Figure:
+def name_overlaps(fig: go.Figure, share: float = 0.02, most: float = 0.95) -> go.Figure:
     """Name in `fig`'s subtitle the line traces drawn on one another, so that a reader knows of the ones
-    hidden under the last drawn: traces of one pair of axes and the same x values whose y values all lie
-    within `share` of the span of that pair's y values (in decades on a log axis) from the group's first.
-    Traces with gaps (None) are left out."""
+    hidden under the last drawn: traces of one pair of axes and the same x values whose y values lie within
+    `share` of the span of that pair's y values (in decades on a log axis) from the group's first at `most`
+    of the points or more (noisy lines that look alike). Traces with gaps (None) are left out."""
     panels: dict[tuple, list] = {}  # (x axis, y axis) -> [(trace, y values)]
     for trace in fig.data:
         if (trace.type == "scatter" and "lines" in (trace.mode or "lines") and trace.y is not None
@@ -65,16 +76,16 @@ def name_overlaps(fig: go.Figure, share: float = 0.01) -> go.Figure:
         groups: list[list] = []
         for trace, y in traces:
             same = [g for g in groups if list(g[0][0].x) == list(trace.x)
-                    and max(abs(a - b) for a, b in zip(g[0][1], y, strict=True)) <= tol]
+                    and sum(abs(a - b) <= tol for a, b in zip(g[0][1], y, strict=True)) >= most * len(y)]
             if same:
                 same[0].append((trace, y))
             else:
                 groups.append([(trace, y)])
-        shared += [", ".join(t.name for t, _ in group) for group in groups if len(group) > 1]
+        shared += [" = ".join(t.name.replace(" ", "\u00a0") for t, _ in group)  # a name on one line
+                   for group in groups if len(group) > 1]
     if shared:
-        fig.update_layout(title_subtitle_text=f"drawn on one another (within {share:.0%} of the axis): "
-                                              + "; ".join(shared))
-        fig.layout.margin.t += 20
+        add_subtitle(fig, f"drawn on one another (within {share:.0%} of the axis at {most:.0%} of the "
+                          "points): " + "; ".join(shared))
     return fig
 
 
@@ -134,9 +145,10 @@ def table_figure(title: str, header: Sequence[str], rows: Sequence[Sequence[str]
         header={"values": header, "align": "left", "fill_color": "#e8f1fa"},
         cells={"values": [list(col) for col in zip(*rows, strict=True)], "align": "left"},
     ))  # fmt: skip
-    top = 60
-    height = top + sum(lines(row) * LINE_HEIGHT + ROW_PADDING for row in [header, *rows]) + 10
-    fig.update_layout(title=title, height=height, margin={"l": 10, "r": 10, "t": top, "b": 10})
+    fig.update_layout(margin={"l": 10, "r": 10, "b": 10})
+    top = set_title(fig, title).layout.margin.t
+    body = sum(lines(row) * LINE_HEIGHT + ROW_PADDING for row in [header, *rows])
+    fig.update_layout(height=top + body + 10)
     return fig
 
 
@@ -186,8 +198,7 @@ def lr_figure(title: str, sweep: dict[str, list[dict]]) -> go.Figure:
     set_title(fig, title, top=80)
     calm = [label for label, rows in sweep.items() if not any(r["runaways"] for r in rows)]
     if len(calm) > 1:
-        fig.update_layout(title_subtitle_text="no runaway at any rate, so one line at 0: " + ", ".join(calm))
-        fig.layout.margin.t += 20
+        add_subtitle(fig, "no runaway at any rate, so one line at 0: " + ", ".join(calm))
     return fig
 
 
@@ -203,7 +214,5 @@ def survival_figure(title: str, table: dict[str, dict], event: str, horizon: int
                         mode="lines", line_shape="hv", name=f"{arm}: {row[event]['events']} of {row['runs']}")
     flat = [arm for arm, row in table.items() if row[event]["events"] == 0]
     if len(flat) > 1:
-        fig.update_layout(title_subtitle_text=f"no {event} by step {horizon:,}, so one line at 1: "
-                                              + ", ".join(flat))
-        fig.layout.margin.t += 20
+        add_subtitle(fig, f"no {event} by step {horizon:,}, so one line at 1: " + ", ".join(flat))
     return fig

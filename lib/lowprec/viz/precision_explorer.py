@@ -359,7 +359,8 @@ def precision_twin(
             fig.add_bar(x=["t(O)", "t(δ)"], y=first["y"][3 * j + 1], text=first["text"][3 * j + 1],
                         textposition="outside", showlegend=False, **style, row=2, col=1,
                         hovertemplate="%{x} = %{y:+.1f}<extra>" + name + "</extra>")
-            fig.add_bar(x=[name.replace(", ", "<br>")], y=first["y"][3 * j + 2],  # <br>: ticks that fit
+            label = name.replace(", ", " ").replace(" ", "<br>")  # a word a line: ticks that fit
+            fig.add_bar(x=[label], y=first["y"][3 * j + 2],
                         text=first["text"][3 * j + 2], textposition="outside", showlegend=False, **style,
                         row=2, col=2, hovertemplate="%{y:.2f} per row<extra>" + name + "</extra>")
     for k in (-BIASED_T, BIASED_T):
@@ -389,7 +390,7 @@ def precision_twin(
         legend={"orientation": "h", "yref": "paper", "y": 1.01, "yanchor": "bottom", "x": 0},
     )  # fmt: skip
     add_menu_and_slider(fig, menu, slider, list(range(n)), "the Fix (ties per tile): ", above=LEGEND_ABOVE_PX)
-    fig.layout.sliders[0].pad.t = 80  # below the two-line tick labels and the axis titles
+    fig.layout.sliders[0].pad.t = 95  # below the three-line tick labels and the axis titles
     return fig
 
 

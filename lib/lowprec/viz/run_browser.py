@@ -77,14 +77,14 @@ def run_note(name: str, run: Run, spec: bool = True, sep: str = "; ") -> str:
     """Steps, the attention spec (if `spec`), runaway and spike steps, parts joined by `sep`."""
     hit, spike = first_past(run), loss_spike(run)["spike_step"]
     attention = f", attention {run.config['model']['attention']!r}" if spec else ""
-    runaway = "never" if hit is None else f"at step {hit[0]:,} (layer index {hit[1]})"
+    runaway = (f"no layer's largest logit passes {RUNAWAY_LOGIT:g}" if hit is None else
+               f"a layer's largest logit passes {RUNAWAY_LOGIT:g} at step {hit[0]:,} (layer index {hit[1]})")
     spike = "no loss spike" if spike is None else f"loss spike at step {spike:,}"
-    return sep.join([f"{name}: {run.summary.get('steps'):,} steps{attention}",
-                     f"a layer's largest logit passes {RUNAWAY_LOGIT:g} {runaway}; {spike}"])
+    return sep.join([f"{name}: {run.summary.get('steps'):,} steps{attention}", f"{runaway}; {spike}"])
 
 
 def _frame(title: str, subtitle: str = "", height: int = 1000, top: int = 110) -> go.Figure:
-    fig = make_subplots(rows=ROWS, cols=2, shared_xaxes=True, vertical_spacing=0.07, horizontal_spacing=0.13,
+    fig = make_subplots(rows=ROWS, cols=2, shared_xaxes=True, vertical_spacing=0.09, horizontal_spacing=0.13,
                         subplot_titles=[title for _, title, _, _ in PANELS])
     for i, (name, _, y_title, log) in enumerate(PANELS):
         row, col = _cell(i)
