@@ -164,7 +164,7 @@ def logit_figure(title: str, runs: dict[str, Run], colours: dict[str, str] | Non
                 if given and name in given}
         fig.add_scatter(x=steps, y=largest, mode="lines", name=name, line=line)
     fig.add_hline(y=RUNAWAY_LOGIT, line_dash="dot", line_color="black", line_width=1)  # no run's colour
-    fig.add_annotation(text="runaway threshold", x=1, xref="paper", xanchor="right",
+    fig.add_annotation(text="runaway threshold", x=0, xref="paper", xanchor="left",  # early logits are small
                        y=math.log10(RUNAWAY_LOGIT),  # on a log axis, an annotation's y is log10 of its value
                        yanchor="bottom", showarrow=False)
     return fig
