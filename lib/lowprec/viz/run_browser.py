@@ -88,8 +88,9 @@ def _frame(title: str, subtitle: str = "", height: int = 1000, top: int = 110) -
                         subplot_titles=[title for _, title, _, _ in PANELS])
     for i, (name, _, y_title, log) in enumerate(PANELS):
         row, col = _cell(i)
-        # a share's axis starts at 0 (all zeros: 0 to 1, not -1 to 1)
-        axis = {"type": "log", "dtick": 1} if log else {"rangemode": "nonnegative"} if name in PER_ROW else {}
+        axis = {"type": "log", "dtick": 1} if log else {}
+        if name in PER_ROW:
+            axis["rangemode"] = "nonnegative"  # a share's axis from 0 (all zeros: 0 to 1, not -1 to 1)
         fig.update_yaxes(title_text=y_title, **axis, row=row, col=col)
         if row == ROWS:
             fig.update_xaxes(title_text="step", row=row, col=col)
