@@ -31,7 +31,7 @@ from lowprec.viz.precision_explorer import (
     precision_twin,
     rows_for,
 )
-from lowprec.viz.run_browser import run_twin
+from lowprec.viz.run_browser import layer_series, run_twin, trailing_mean
 from notebook_cells import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,6 +230,16 @@ def test_run_twin() -> None:
     titles = {a.text for a in fig.layout.annotations}
     assert {"‖W_Q,h‖₂ of each head", "‖W_K,h‖₂ of each head", "attention entropy (mean over rows)"} <= titles
     assert fig.layout.sliders[0].active == 1
+
+
+def test_tie_shares_are_drawn_as_trailing_means() -> None:
+    """A share of tied rows jumps between 0 and 100% reading to reading: drawn as the mean of the last 5."""
+    assert trailing_mean([0, 100, None, 0, 100, 0, 0], window=5) == [0, 50, 50, 100 / 3, 50, 50, 25]
+    assert trailing_mean([None, None, 3.0], window=2) == [None, None, 3.0]
+    run = load_run(LEAD / "paper-s1337")
+    ties, rows = run.telemetry("tie_rows")[1], run.telemetry("rows")[1]
+    raw = [100 * sample[1][0] / n for sample, n in zip(ties, rows, strict=True)]  # layer index 1, head 0
+    assert layer_series(run, 1)[1]["tie_rows"][0] == trailing_mean(raw)
 
 
 def test_run_twin_thins_long_runs_and_keeps_their_ends() -> None:

@@ -4,7 +4,8 @@ Panels: the training loss (moving mean of 20 logged losses), the largest logit (
 ‖W_K,h‖₂ (`wq_norm`, `wk_norm`), the running sum of the δ error (`delta_error_cum`), the attention entropy
 (`entropy`), and the share of sampled rows whose maximum is tied exactly (`tie_rows`) or nearly
 (`near_tie_rows`); telemetry is
-`run.telemetry(name)` -> (steps, values[sample][layer][head]), read with `lowprec.runs.load_run`.
+`run.telemetry(name)` -> (steps, values[sample][layer][head]), read with `lowprec.runs.load_run`. The two
+shares are drawn as trailing means of 5 readings.
 
 `run_browser` is the live panel (any run under a results folder, any layer, one head or all); `run_twin` its
 static twin over a few runs: a menu for the run, a slider for the layer, one line per head.
@@ -32,12 +33,13 @@ PANELS = [
     ("wk_norm", "‖W_K,h‖₂ of each head", "spectral norm (log scale)", True),
     ("delta_error_cum", "running sum of the δ error", "Σ (δ_lp − δ_hp) (dimensionless)", False),
     ("entropy", "attention entropy (mean over rows)", "nats", False),
-    ("tie_rows", "rows whose maximum is tied exactly", "sampled rows (%)", False),
-    ("near_tie_rows", "rows with a near-tie (P̄ rounds to 1)", "sampled rows (%)", False),
+    ("tie_rows", "exact ties of the row maximum", "sampled rows (%, mean of 5)", False),
+    ("near_tie_rows", "near-ties (P̄ rounds to 1)", "sampled rows (%, mean of 5)", False),
 ]
 ROWS = (len(PANELS) + 1) // 2  # two panels a row
 SIGNALS = [name for name, *_ in PANELS[1:]]
 PER_ROW = {"tie_rows", "near_tie_rows"}  # counts of sampled rows: shown as a share of them
+SHARE_WINDOW = 5  # a share is drawn as the mean of its reading and the 4 before (single readings jump 0-100%)
 HEAD_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
                 "#17becf", "#393b79", "#637939", "#8c6d31"]  # fmt: skip
 LOSS_COLOUR = "#252525"
@@ -62,10 +64,19 @@ def layer_series(run: Run, layer: int) -> tuple[list[int], dict[str, list[list[f
         heads = len(values[0][layer])
         per_head = [[sample[layer][h] for sample in values] for h in range(heads)]
         if name in PER_ROW:
-            per_head = [[100 * v / n if v is not None else None for v, n in zip(series, rows, strict=True)]
-                        for series in per_head]
+            per_head = [trailing_mean([100 * v / n if v is not None else None
+                                       for v, n in zip(series, rows, strict=True)]) for series in per_head]
         out[name] = per_head
     return steps, out
+
+
+def trailing_mean(values: list[float | None], window: int = SHARE_WINDOW) -> list[float | None]:
+    """Mean of each value and the window - 1 before it that exist (None where all are None); same length."""
+    out = []
+    for i in range(len(values)):
+        kept = [v for v in values[max(0, i - window + 1) : i + 1] if v is not None]
+        out.append(sum(kept) / len(kept) if kept else None)
+    return out
 
 
 def smoothed_loss(run: Run) -> tuple[list[int], list[float]]:
