@@ -1026,6 +1026,25 @@ def test_bench_attention_times_the_tma_loads_beside_the_rest(tmp_path, capsys):
     assert entry["fwd_tma_speedup"] > 0 and entry["fwd+bwd_tma_speedup+fix"] > 0
 
 
+def test_fix_overhead_reads_the_fix_from_its_forward_and_times_the_same_backward_twice():
+    """The Fix enters only the forward: its cost is also read as the forward's extra time over
+    forward+backward time, and the backward (the same launches with and without it) gives the timing
+    method's spread; the targets judge both readings."""
+    from lowprec.instruments.bench_attention import fix_overhead, targets
+
+    shape = {"seq": 4096, "head_dim": 128, "causal": True}
+    plain = {"impl": "triton", **shape, "fwd_ms": 1.0, "bwd_ms": 3.0, "fwd+bwd_ms": 4.0}
+    fixed = {"impl": "triton+fix", **shape, "fwd_ms": 1.2, "bwd_ms": 2.94, "fwd+bwd_ms": 4.04}
+    entry = fix_overhead([plain, fixed])[0]
+    assert entry["fwd+bwd_fix_overhead"] == 0.01 and entry["fwd_fix_overhead"] == 0.2
+    assert entry["fwd+bwd_fix_from_fwd"] == 0.05 and entry["bwd_fix_ratio"] == 0.98
+    no_bwd = [{k: v for k, v in r.items() if k != "bwd_ms"} for r in (plain, fixed)]
+    assert "bwd_fix_ratio" not in fix_overhead(no_bwd)[0], "only where every mode was measured"
+    verdict = targets(fix_overhead([plain, fixed]), seqs=(4096,))
+    assert verdict["fwd+bwd_fix_from_fwd"] == 0.05 and verdict["met"]["fwd+bwd_fix_overhead"]
+    assert verdict["met"]["fwd+bwd_fix_from_fwd"] is False, "5% of forward+backward: over the 2% target"
+
+
 def test_repeated_call_options_are_resolved_once():
     """An eager call finds its kernel constants in one cache lookup: plan_call resolves each distinct set of
     options (precision, Fix, scale, blocks) once, for the kernel and the emulator alike, and the ops resolve
