@@ -1014,16 +1014,19 @@ def test_bench_attention_launch_times_a_loop_of_calls_on_cpu():
 
 def test_bench_attention_times_the_tma_loads_beside_the_rest(tmp_path, capsys):
     """`lowprec bench attention --tma`: our kernel with its streamed tiles through tensor descriptors, Fix
-    off and on, timed with the rest, and their speed-up over the pointer loads per configuration."""
+    off and on, timed with the rest, and their speed-up over the pointer loads per configuration; `--aa`
+    times the plain kernel again, last, for the method's spread."""
     from lowprec import cli
 
     out = tmp_path / "bench.json"
-    assert cli.main(["bench", "attention", "--smoke", "--tma", "--causal", "true", "--out", str(out)]) == 0
+    args = ["bench", "attention", "--smoke", "--tma", "--aa", "--causal", "true", "--out", str(out)]
+    assert cli.main(args) == 0
     assert "descriptors: fwd Fix off" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert {"triton", "triton+fix", "triton-tma", "triton+fix-tma"} <= {r["impl"] for r in record["results"]}
     entry = record["fix_overhead"][0]
     assert entry["fwd_tma_speedup"] > 0 and entry["fwd+bwd_tma_speedup+fix"] > 0
+    assert [r["impl"] for r in record["results"]][-1] == "triton-again" and entry["bwd_aa_ratio"] > 0
 
 
 def test_fix_overhead_reads_the_fix_from_its_forward_and_times_the_same_backward_twice():
@@ -1040,6 +1043,9 @@ def test_fix_overhead_reads_the_fix_from_its_forward_and_times_the_same_backward
     assert entry["fwd+bwd_fix_from_fwd"] == 0.05 and entry["bwd_fix_ratio"] == 0.98
     no_bwd = [{k: v for k, v in r.items() if k != "bwd_ms"} for r in (plain, fixed)]
     assert "bwd_fix_ratio" not in fix_overhead(no_bwd)[0], "only where every mode was measured"
+    again = {**plain, "impl": "triton-again", "fwd_ms": 1.01, "bwd_ms": 2.97, "fwd+bwd_ms": 4.0}
+    assert {k: v for k, v in fix_overhead([plain, again])[0].items() if k.endswith("aa_ratio")} == {
+        "fwd_aa_ratio": 1.01, "bwd_aa_ratio": 0.99, "fwd+bwd_aa_ratio": 1.0}, "--aa: the method's spread"
     verdict = targets(fix_overhead([plain, fixed]), seqs=(4096,))
     assert verdict["fwd+bwd_fix_from_fwd"] == 0.05 and verdict["met"]["fwd+bwd_fix_overhead"]
     assert verdict["met"]["fwd+bwd_fix_from_fwd"] is False, "5% of forward+backward: over the 2% target"

@@ -64,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tma", action="store_true",
                         help="also our kernel with its streamed tiles through tensor descriptors "
                              "(triton-tma, triton+fix-tma; flash.tma_loads), interleaved with the rest")
+    parser.add_argument("--aa", action="store_true",
+                        help="also our plain kernel a second time (triton-again, timed last in each round): "
+                             "its time over triton's is the timing method's own spread (A/A)")
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
 
@@ -83,9 +86,11 @@ def inside(context: Callable[[], contextlib.AbstractContextManager], fn: Callabl
     return call
 
 
-def implementations(device: str, tma: bool = False) -> tuple[dict[str, Callable], dict[str, str]]:
+def implementations(device: str, tma: bool = False, aa: bool = False
+                    ) -> tuple[dict[str, Callable], dict[str, str]]:
     """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped); `tma`
-    adds our kernel with its streamed tiles through tensor descriptors, Fix off and on."""
+    adds our kernel with its streamed tiles through tensor descriptors, Fix off and on; `aa` our plain kernel
+    again, last (`triton-again`: the same launches as `triton`, timed at another place in each round)."""
     from lowprec.attention.flash import flash_attention, tma_loads  # triton only when benchmarking
 
     impls: dict[str, Callable] = {
@@ -103,6 +108,8 @@ def implementations(device: str, tma: bool = False) -> tuple[dict[str, Callable]
             impls[f"sdpa-{backend}"] = fn
         except Exception as exc:
             skipped[f"sdpa-{backend}"] = sdpa_failure(exc)
+    if aa:
+        impls["triton-again"] = functools.partial(flash_attention)
     return impls, skipped
 
 
@@ -245,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     causals = {"false": [False], "true": [True], "both": [False, True]}[args.causal]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    impls, skipped = implementations(device, args.tma)
+    impls, skipped = implementations(device, args.tma, args.aa)
     from lowprec.attention.flash import autotuned_configs
 
     record = {
@@ -303,7 +310,8 @@ def fix_readings(plain: dict, fixed: dict) -> dict:
 def fix_overhead(results: list[dict]) -> list[dict]:
     """Per configuration: time(triton+fix) / time(triton) - 1, TFLOP/s(triton) / TFLOP/s(sdpa-flash) and
     (with --tma) time(triton) / time(triton-tma), the same with the Fix, for fwd and fwd+bwd (where both
-    were measured); `fix_readings` where every mode of both was measured."""
+    were measured); with --aa time(triton-again) / time(triton) for every mode (`<mode>_aa_ratio`);
+    `fix_readings` where every mode of both was measured."""
     rows: dict[tuple, dict] = {}
     for r in results:
         if "fwd_ms" in r:
@@ -325,6 +333,10 @@ def fix_overhead(results: list[dict]) -> list[dict]:
                     entry[f"{mode}_tma_speedup{name.removeprefix('triton')}"] = round(
                         impls[name][f"{mode}_ms"] / impls[f"{name}-tma"][f"{mode}_ms"], 3
                     )
+        again, plain = impls.get("triton-again", {}), impls.get("triton", {})
+        for mode in MODES:  # with --aa: the timing method's own spread, every mode
+            if f"{mode}_ms" in again and f"{mode}_ms" in plain:
+                entry[f"{mode}_aa_ratio"] = round(again[f"{mode}_ms"] / plain[f"{mode}_ms"], 4)
         if all(f"{mode}_ms" in impls.get(name, {}) for mode in MODES for name in ("triton", "triton+fix")):
             entry |= fix_readings(impls["triton"], impls["triton+fix"])
         out.append(entry)
