@@ -307,22 +307,24 @@ def fix_readings(plain: dict, fixed: dict) -> dict:
             "bwd_fix_ratio": round(fixed["bwd_ms"] / plain["bwd_ms"], 4)}
 
 
-def fix_overhead(results: list[dict]) -> list[dict]:
-    """Per configuration: time(triton+fix) / time(triton) - 1, TFLOP/s(triton) / TFLOP/s(sdpa-flash) and
+def fix_overhead(results: list[dict], key: str = "impl", plain: str = "triton", fixed: str = "triton+fix"
+                 ) -> list[dict]:
+    """Per configuration: time(fixed) / time(plain) - 1, TFLOP/s(triton) / TFLOP/s(sdpa-flash) and
     (with --tma) time(triton) / time(triton-tma), the same with the Fix, for fwd and fwd+bwd (where both
     were measured); with --aa time(triton-again) / time(triton) for every mode (`<mode>_aa_ratio`);
-    `fix_readings` where every mode of both was measured."""
+    `fix_readings` where every mode of plain and fixed was measured. Rows name their implementation under
+    `key` (a cures record's `cost`: key="cure", plain="none (fa2)", fixed="Fix")."""
     rows: dict[tuple, dict] = {}
     for r in results:
         if "fwd_ms" in r:
-            rows.setdefault((r["seq"], r["head_dim"], r["causal"]), {})[r["impl"]] = r
+            rows.setdefault((r["seq"], r["head_dim"], r["causal"]), {})[r[key]] = r
     out = []
     for (seq, head_dim, causal), impls in rows.items():
         entry = {"seq": seq, "head_dim": head_dim, "causal": causal}
         for mode in ("fwd", "fwd+bwd"):
-            if "triton" in impls and "triton+fix" in impls:
+            if plain in impls and fixed in impls:
                 entry[f"{mode}_fix_overhead"] = round(
-                    impls["triton+fix"][f"{mode}_ms"] / impls["triton"][f"{mode}_ms"] - 1, 4
+                    impls[fixed][f"{mode}_ms"] / impls[plain][f"{mode}_ms"] - 1, 4
                 )
             if "triton" in impls and "sdpa-flash" in impls:
                 entry[f"{mode}_vs_flash"] = round(
@@ -333,12 +335,12 @@ def fix_overhead(results: list[dict]) -> list[dict]:
                     entry[f"{mode}_tma_speedup{name.removeprefix('triton')}"] = round(
                         impls[name][f"{mode}_ms"] / impls[f"{name}-tma"][f"{mode}_ms"], 3
                     )
-        again, plain = impls.get("triton-again", {}), impls.get("triton", {})
+        first, again = impls.get("triton", {}), impls.get("triton-again", {})
         for mode in MODES:  # with --aa: the timing method's own spread, every mode
-            if f"{mode}_ms" in again and f"{mode}_ms" in plain:
-                entry[f"{mode}_aa_ratio"] = round(again[f"{mode}_ms"] / plain[f"{mode}_ms"], 4)
-        if all(f"{mode}_ms" in impls.get(name, {}) for mode in MODES for name in ("triton", "triton+fix")):
-            entry |= fix_readings(impls["triton"], impls["triton+fix"])
+            if f"{mode}_ms" in again and f"{mode}_ms" in first:
+                entry[f"{mode}_aa_ratio"] = round(again[f"{mode}_ms"] / first[f"{mode}_ms"], 4)
+        if all(f"{mode}_ms" in impls.get(name, {}) for mode in MODES for name in (plain, fixed)):
+            entry |= fix_readings(impls[plain], impls[fixed])
         out.append(entry)
     return out
 
