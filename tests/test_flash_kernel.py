@@ -1051,6 +1051,25 @@ def test_fix_overhead_reads_the_fix_from_its_forward_and_times_the_same_backward
     assert verdict["met"]["fwd+bwd_fix_from_fwd"] is False, "5% of forward+backward: over the 2% target"
 
 
+def test_timing_rounds_rotate_the_order():
+    """Each round of a benchmark starts one implementation later than the round before, so that no
+    implementation is always timed in the same place (an A/A pair timed first and last differed by 3-9%)."""
+    from lowprec.instruments.bench_attention import bench_config
+
+    order = []
+
+    def timed(name):
+        def fn(q, k, v, causal):
+            order.append(name)
+            return q * 1.0
+        return fn
+
+    out = bench_config({n: timed(n) for n in "abc"}, 1, 1, 8, 4, False, "cpu", rounds=4)
+    assert set(out) == set("abc") and all("fwd_ms" in row for row in out.values())
+    fwd = order[3:3 + 2 * 4 * 3:2]  # after the three preparing calls: each timing is a warm-up and a call
+    assert fwd == list("abc" "bca" "cab" "abc")
+
+
 def test_repeated_call_options_are_resolved_once():
     """An eager call finds its kernel constants in one cache lookup: plan_call resolves each distinct set of
     options (precision, Fix, scale, blocks) once, for the kernel and the emulator alike, and the ops resolve

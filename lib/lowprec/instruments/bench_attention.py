@@ -47,7 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--head-dim", type=int_list, default=[64, 128, 256], help="head dimensions")
     parser.add_argument("--rounds", type=option(int, 1), default=3,
-                        help="interleaved timing rounds per configuration")
+                        help="interleaved timing rounds per configuration, each starting one implementation "
+                             "later in the order")
     parser.add_argument("--causal", choices=("false", "true", "both"), default="both")
     parser.add_argument("--tokens", type=option(int, 1), default=16384, help="batch x seq per configuration")
     parser.add_argument(
@@ -65,7 +66,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also our kernel with its streamed tiles through tensor descriptors "
                              "(triton-tma, triton+fix-tma; flash.tma_loads), interleaved with the rest")
     parser.add_argument("--aa", action="store_true",
-                        help="also our plain kernel a second time (triton-again, timed last in each round): "
+                        help="also our plain kernel a second time (triton-again, last in the order): "
                              "its time over triton's is the timing method's own spread (A/A)")
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
@@ -90,7 +91,7 @@ def implementations(device: str, tma: bool = False, aa: bool = False
                     ) -> tuple[dict[str, Callable], dict[str, str]]:
     """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped); `tma`
     adds our kernel with its streamed tiles through tensor descriptors, Fix off and on; `aa` our plain kernel
-    again, last (`triton-again`: the same launches as `triton`, timed at another place in each round)."""
+    again, last in the order (`triton-again`: the same launches as `triton`, timed apart from them)."""
     from lowprec.attention.flash import flash_attention, tma_loads  # triton only when benchmarking
 
     impls: dict[str, Callable] = {
@@ -152,7 +153,8 @@ def calls_of(fn: Callable, batch: int, heads: int, seq: int, head_dim: int, caus
 def bench_config(impls: dict[str, Callable], batch: int, heads: int, seq: int, head_dim: int, causal: bool,
                  device: str, rounds: int) -> dict[str, dict]:
     """Per implementation: milliseconds (median over `rounds` interleaved rounds) and TFLOP/s of fwd, bwd and
-    fwd+bwd, or the error that stopped it."""
+    fwd+bwd, or the error that stopped it. Round r times the implementations from the (r mod n)-th on, so that
+    over n rounds each takes every place in the order once."""
     out: dict[str, dict] = {}
     prepared = {}
     for name, fn in impls.items():
@@ -163,8 +165,10 @@ def bench_config(impls: dict[str, Callable], batch: int, heads: int, seq: int, h
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
     for mode in MODES:
         times: dict[str, list[float]] = {name: [] for name in prepared}
-        for _ in range(rounds):
-            for name, (calls, grads) in prepared.items():
+        names = list(prepared)
+        for r in range(rounds if names else 0):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                calls, grads = prepared[name]
                 if "error" in out[name]:
                     continue
                 try:
