@@ -90,7 +90,7 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     assert "its 8 runs per arm tell a 60% runaway rate from none only 59%" in lines[3]
     normed = [f for f in done if "-qkln-s" in f.name]
     cells: dict[tuple[str, bool], list[bool]] = {}
-    for f in done:  # names like paper64-lr4e-3-qkln-s1
+    for f in (f for f in done if not f.name.startswith("model-fp32")):  # the grid's placements
         rate = re.search(r"-lr(\d)e-3", f.name).group(1)
         cells.setdefault((rate, "-qkln-" in f.name), []).append(runaway_step(load_run(f)) is not None)
     recipe = [runaway_step(load_run(f)) for arm in ("fa2", "paper64", "attn-fp32")  # the survival runs there
@@ -254,8 +254,12 @@ def test_lr_finding_against_the_folders() -> None:
     stopped = [f.name for f in at["1e-3"] if load_run(f).summary.get("diverged_step") is not None]
     assert sorted(stopped) == ["fa2-lr1e-3-s1", "fa2-lr1e-3-s3", "fa2-lr1e-3-s4", "paper64-lr1e-3-s2"]
     assert "8 of 8 over 4 seeds" in text and f"{len(stopped)} of them then reached the stop rule" in text
-    assert "8 of 8 against 0 of 4 gives p = 0.002" in text  # 1/495: the one table as extreme
-    assert "the exact test within seeds (the same contrast, seed by seed) gives p = 0.012" in text  # (1/3)^4
+    control = [f for f in lr.glob("model-fp32-lr1e-3-s[0-9]") if (f / "summary.json").is_file()]
+    assert [f.name for f in control] == ["model-fp32-lr1e-3-s1"]
+    assert runaway_step(load_run(control[0])) is None
+    assert "8 of 8 against 0 of 5 gives p = 0.00078" in text  # 1/1287: the one table as extreme
+    # seed 1: the two runs without a runaway are the two without bf16 in attention (1 in 6); seeds 2-4: 1/3
+    assert "the exact test within seeds (the same contrast, seed by seed) gives p = 0.0062" in text
     recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2, 3)]
     assert recipe == [None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
     assert "A lower rate did not prevent it" in text and "`fa2` ran away in 4 of 4 runs" in text
@@ -288,7 +292,8 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
     test within seeds; one that ran away, or a run of an arm the paragraph does not count, makes it stale."""
     from lowprec.viz import bottom_line as module
 
-    cells = module.grid_runs()
+    control_cell = ("model-fp32", 0.001, False)
+    cells = {cell: runs for cell, runs in module.grid_runs().items() if cell != control_cell}  # without it
     fp32 = cells["attn-fp32", 0.001, False]
     def with_cells(extra: dict) -> str:
         monkeypatch.setattr(module, "grid_runs", lambda results=RESULTS: cells | extra)

@@ -24,6 +24,7 @@ from lowprec.viz.bottom_line import (
     explode_runs,
     grid_cell,
     grid_runs,
+    half_rate,
     horizon,
     qk_pairs,
     run_rows,
@@ -56,7 +57,7 @@ def explosion(results: Path = RESULTS) -> str:
     stopped = [r for r in rows if r["explosion"] is not None]
     ahead = [r["explosion"] - r["runaway"] for r in stopped]
     half, high = grid_cell("1e-3", results=results), grid_cell("8e-3", results=results)
-    half_bf16 = half["fa2"] + half["paper64"]
+    half_bf16, control = half["fa2"] + half["paper64"], half_rate(results).control  # control: no bf16 at all
     steps = horizon("lr-qknorm", results)
     fa2_above = study_groups("survival", results)["fa2"] + grid_cell("4e-3", results=results)["fa2"]
     fa2_other = [r for r in fa2_above if r.runaway and r.runaway <= steps]
@@ -78,8 +79,9 @@ def explosion(results: Path = RESULTS) -> str:
     claim(all(tally(group, "runaway") == (1, 1) for group in high.values()),
           "8e-3: every placement, one seed")
     claim(tally(half_bf16, "runaway") == (8, 8) and tally(half["attn-fp32"], "runaway") == (0, 4)
+          and tally(control, "runaway") == (0, 1)
           and tally(half["fa2"], "runaway") == (4, 4) and (len(fa2_other), len(fa2_above)) == (0, 5),
-          "1e-3: bf16 8 of 8, fp32 attention 0 of 4; fa2 none at 2e-3 and 4e-3")
+          "1e-3: bf16 8 of 8, fp32 attention 0 of 4, no bf16 at all 0 of 1; fa2 none at 2e-3 and 4e-3")
     claim(tally(normed, "runaway")[0] == 0 and all(len(group) == 1 for group in normed_cells),
           "QK-LayerNorm: no runaway, one seed per cell")
     return (
@@ -102,7 +104,8 @@ def explosion(results: Path = RESULTS) -> str:
         f"- Against the learning rate ({steps:,} steps per run): at four times the recipe's rate every "
         f"placement ran away, attention in fp32 included (one seed); at half of it every bf16 run ran away "
         f"({tally(half_bf16, 'runaway')[0]} of {len(half_bf16)}, {len(half['fa2'])} seeds) and no run with "
-        f"attention in fp32 ({tally(half['attn-fp32'], 'runaway')[0]} of {len(half['attn-fp32'])}). By step "
+        f"attention in fp32 ({tally(half['attn-fp32'], 'runaway')[0]} of {len(half['attn-fp32'])}), nor the "
+        f"model with no bf16 anywhere ({tally(control, 'runaway')[0]} of {len(control)}). By step "
         f"{steps:,} `fa2` ran away in {tally(half['fa2'], 'runaway')[0]} of {len(half['fa2'])} runs at half "
         f"the recipe's rate and in {len(fa2_other)} of {len(fa2_above)} at the recipe's rate and twice it: "
         f"the runaway is not only the growth of a high rate. With QK-LayerNorm none of {len(normed)} runs "
