@@ -1051,16 +1051,18 @@ def test_fix_overhead_reads_the_fix_from_its_forward_and_times_the_same_backward
     assert verdict["met"]["fwd+bwd_fix_from_fwd"] is False, "5% of forward+backward: over the 2% target"
 
 
-def test_timing_rounds_rotate_the_order():
+def test_timing_rounds_rotate_the_order_over_the_same_inputs():
     """Each round of a benchmark starts one implementation later than the round before, so that no
-    implementation is always timed in the same place (an A/A pair timed first and last differed by 3-9%)."""
+    implementation is always timed in the same place (an A/A pair timed first and last differed by 3-9%), and
+    every implementation reads the same input tensors."""
     from lowprec.instruments.bench_attention import bench_config
 
-    order = []
+    order, inputs = [], set()
 
     def timed(name):
         def fn(q, k, v, causal):
             order.append(name)
+            inputs.add(tuple(x.data_ptr() for x in (q, k, v)))
             return q * 1.0
         return fn
 
@@ -1068,6 +1070,7 @@ def test_timing_rounds_rotate_the_order():
     assert set(out) == set("abc") and all("fwd_ms" in row for row in out.values())
     fwd = order[3:3 + 2 * 4 * 3:2]  # after the three preparing calls: each timing is a warm-up and a call
     assert fwd == list("abc" "bca" "cab" "abc")
+    assert len(inputs) == 1, "one set of q, k, v for every implementation"
 
 
 def test_repeated_call_options_are_resolved_once():

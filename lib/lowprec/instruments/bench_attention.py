@@ -126,16 +126,23 @@ def time_ms(fn: Callable[[], object], device: str, grads: list[torch.Tensor]) ->
     return (time.perf_counter() - start) * 1e3
 
 
-def calls_of(fn: Callable, batch: int, heads: int, seq: int, head_dim: int, causal: bool,
-             device: str) -> tuple[dict[str, Callable], list[torch.Tensor]]:
-    """The fwd, bwd and fwd+bwd calls of fn on seeded bf16 inputs, and the tensors whose grads to reset."""
+def bench_inputs(batch: int, heads: int, seq: int, head_dim: int, device: str) -> tuple[torch.Tensor, ...]:
+    """Seeded bf16 (q, k, v, dO), each (batch, heads, seq, head_dim); q, k and v require grad."""
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (batch, heads, seq, head_dim)
     q, k, v = (
         torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen).requires_grad_()
         for _ in range(3)
     )
-    do = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+    return q, k, v, torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen)
+
+
+def calls_of(fn: Callable, batch: int, heads: int, seq: int, head_dim: int, causal: bool, device: str,
+             inputs: tuple[torch.Tensor, ...] | None = None
+             ) -> tuple[dict[str, Callable], list[torch.Tensor]]:
+    """The fwd, bwd and fwd+bwd calls of fn on `inputs` (default: new `bench_inputs`), and the tensors
+    whose grads to reset."""
+    q, k, v, do = inputs or bench_inputs(batch, heads, seq, head_dim, device)
 
     def forward():
         with torch.no_grad():
@@ -153,13 +160,14 @@ def calls_of(fn: Callable, batch: int, heads: int, seq: int, head_dim: int, caus
 def bench_config(impls: dict[str, Callable], batch: int, heads: int, seq: int, head_dim: int, causal: bool,
                  device: str, rounds: int) -> dict[str, dict]:
     """Per implementation: milliseconds (median over `rounds` interleaved rounds) and TFLOP/s of fwd, bwd and
-    fwd+bwd, or the error that stopped it. Round r times the implementations from the (r mod n)-th on, so that
-    over n rounds each takes every place in the order once."""
+    fwd+bwd, or the error that stopped it. Every implementation runs on the same input tensors; round r times
+    them from the (r mod n)-th on, so that over n rounds each takes every place in the order once."""
     out: dict[str, dict] = {}
     prepared = {}
+    inputs = bench_inputs(batch, heads, seq, head_dim, device)
     for name, fn in impls.items():
         try:
-            prepared[name] = calls_of(fn, batch, heads, seq, head_dim, causal, device)
+            prepared[name] = calls_of(fn, batch, heads, seq, head_dim, causal, device, inputs)
             out[name] = {}
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).strip()[:300]}"}
