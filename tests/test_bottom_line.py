@@ -271,6 +271,7 @@ def test_lr_finding_against_the_folders() -> None:
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
     assert text in bottom_line()
+    assert "none with attention in fp32, nor the one run with no bf16 anywhere; which" in bottom_line()
     pairs = twins()
     assert pairs and all(a.seed == b.seed and a.arm == b.arm and a.lr == b.lr for a, b in pairs)
     assert {b.name for _, b in pairs} <= {f"lr-qknorm/{f.name}" for f in normed}
@@ -301,6 +302,7 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
 
     plain = with_cells({})
     assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.002;" in plain
+    assert "every run with bf16 attention ran away and none with attention in fp32; which" in bottom_line()
     control = [dataclasses.replace(r, arm="model-fp32") for r in fp32[:2]]  # two runs that did not run away
     counted = with_cells({("model-fp32", 0.001, False): control})
     peak = max(largest_logit(explode_records()[r.name]) for r in control)
@@ -309,6 +311,7 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
             f"p = {1 / 3003:.2g};") in counted  # the pre-registered 1/3003
     assert len({r.seed for r in control}) == 2  # two seeds of 2 of 2 against 0 of 2 (1/6 each), two of 0 of 1
     assert f"within seeds (the same contrast, seed by seed) gives p = {1 / 324:.2g}:" in counted
+    assert "none with attention in fp32, nor any of the 2 runs with no bf16 anywhere; which" in bottom_line()
     went = [dataclasses.replace(control[0], runaway=1000), control[1]]
     with pytest.raises(StaleClaim, match="no run without bf16 anywhere .model-fp32. ran away"):
         with_cells({("model-fp32", 0.001, False): went})

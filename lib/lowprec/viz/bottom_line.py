@@ -487,7 +487,10 @@ def bottom_line(results: Path = RESULTS) -> str:
     plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
     claim(plain_fa2 and plain_fp32 and not any(r.runaway for r in (*plain_fa2, *plain_fp32)),
           "fa2 and attn-fp32 at the recipe's learning rate: no survival runaway")
-    finding = lr_finding(results)
+    finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
+    control = len(half_rate(results).control)
+    nor = {0: "", 1: ", nor the one run with no bf16 anywhere"}.get(
+        control, f", nor any of the {control} runs with no bf16 anywhere")
     records = explode_records(results)
     pairs = qk_pairs(results)
     normed = [r for _, with_it in pairs.values() for r in with_it]
@@ -505,8 +508,8 @@ def bottom_line(results: Path = RESULTS) -> str:
     why = (
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "
-        "none with attention in fp32; which bf16 rounding point starts the production placement's runaways "
-        "is open. In full: " + finding + f" Which rounding point, at the recipe's rate: "
+        "none with attention in fp32" + nor + "; which bf16 rounding point starts the production placement's "
+        "runaways is open. In full: " + finding + " Which rounding point, at the recipe's rate: "
         f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
         f"{rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The runaways go with a bf16 row sum "
         f"$\\ell$: rounding only $\\ell$ (`bf16rowsum`) ran away in {rate(*tally(rowsum, 'runaway'))}, the "
@@ -561,7 +564,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran away in none of its "
         f"{len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps at half and twice "
         f"it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model with no bf16 "
-        f"anywhere (`model-fp32`) in 0 of {len(fp32_model)}: at half the rate, where every bf16 run ran "
+        f"anywhere (`model-fp32`) in none of its {len(fp32_model) + control} ({len(fp32_model)} at the "
+        f"recipe's rate, {control} at half): at half the rate, where every bf16 run ran "
         f"away, that contrast holds within seeds too (above); at the recipe's rate the runs are still too "
         f"few to tell. A lower learning rate is no remedy on this evidence: at half the recipe's rate both "
         f"bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
