@@ -110,7 +110,7 @@ def implementations(device: str, tma: bool = False, aa: bool = False
         except Exception as exc:
             skipped[f"sdpa-{backend}"] = sdpa_failure(exc)
     if aa:
-        impls["triton-again"] = functools.partial(flash_attention)
+        impls["triton-again"] = flash_attention
     return impls, skipped
 
 
