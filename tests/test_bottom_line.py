@@ -210,17 +210,20 @@ def test_run_rows_name_every_run_as_the_chapters_do() -> None:
 
 
 def test_common_spikes_per_seed_earliest_of_a_tie() -> None:
-    """Synthetic runs: per seed the most common first-spike step and its runs; a tie goes to the earlier step;
-    a seed with one run, or whose runs never spiked, has none."""
-    def run(name: str, seed: int, spike: int | None) -> RunFacts:
+    """Synthetic runs: per seed the most common first-spike step of the runs without a runaway, and every run
+    that first spiked there; a tie goes to the earlier step; a seed with fewer than two runs without a runaway
+    that spiked has none."""
+    def run(name: str, seed: int, spike: int | None, runaway: int | None = None) -> RunFacts:
         return RunFacts(name=name, arm=name, seed=seed, config="gpu-6l", lr=2e-3, tokens_per_step=32_768,
-                        corpus="c", steps=8000, runaway=None, first_layer=None, spike=spike, explosion=None)
+                        corpus="c", steps=8000, runaway=runaway, first_layer=None if runaway is None else 1,
+                        spike=spike, explosion=None)
 
-    runs = [run("a", 1, 500), run("b", 1, 500), run("c", 1, 300), run("d", 2, 900), run("e", 2, 700),
-            run("f", 3, 100), run("g", 4, None), run("h", 4, None)]
+    runs = [run("a", 1, 500), run("b", 1, 500), run("c", 1, 300), run("c2", 1, 300, 200),
+            run("c3", 1, 300, 100), run("x", 1, 500, 400), run("d", 2, 900), run("e", 2, 700),
+            run("f", 3, 100), run("g", 4, None), run("h", 4, None), run("i", 5, 600), run("j", 5, 800, 300)]
     found = common_spikes(runs)
     assert {seed: (step, [r.name for r in same]) for seed, (step, same) in found.items()} == {
-        1: (500, ["a", "b"]), 2: (700, ["e"])}
+        1: (500, ["a", "b", "x"]), 2: (700, ["e"])}
 
 
 def test_what_fails_names_fa2s_runs_on_each_corpus(lines: list[str]) -> None:
@@ -233,7 +236,7 @@ def test_what_fails_names_fa2s_runs_on_each_corpus(lines: list[str]) -> None:
     assert recipe and not any(runaway_step(r) for r in recipe)
     assert (f"it ran away in none of its {len(recipe)} runs at that learning rate (8,000 steps each) and in "
             f"all {len(half)} at half of it ({stopped} of them then exploded)") in lines[0]
-    assert "Of the 18 runs the stop rule ended, 14 were at 32,768 tokens per step." in lines[0]
+    assert "Of the 20 runs the stop rule ended, 16 were at 32,768 tokens per step." in lines[0]
     assert all(r.config.get("deterministic") for r in half + recipe)
     assert load_run(EXPLODE / "lead-s1337" / "fa2-s1337").config.get("deterministic") is None
     assert "which every run of the study used, a seed fixes a run" in lines[3]
@@ -340,3 +343,14 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     assert in_short.growing_heads() is in_short.growing_heads(), "the criterion records are read once"
     box = in_short.what_to_change()
     assert box.startswith("**What to change, in short**") and "0 of 10 runs ran away" in box
+
+
+def test_why_gives_the_primary_tests_interim_counts(lines: list[str]) -> None:
+    """The survival study's primary test (bf16rowsum against fp32pv on the larger corpus), read folder by
+    folder, interim until each arm has its planned seeds."""
+    went = {arm: [runaway_step(load_run(f)) is not None
+                  for f in sorted((EXPLODE / "survival").glob(f"{arm}-s[0-9]")) if f.is_dir()]
+            for arm in ("bf16rowsum", "fp32pv")}
+    a, b = went["bf16rowsum"], went["fp32pv"]
+    assert 0 < len(a) < 8 and 0 < len(b) < 8 and any(b)
+    assert f"stands at {sum(a)} of {len(a)} against {sum(b)} of {len(b)} (interim, no test yet)" in lines[1]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import pytest
 from lowprec.cli import main as lowprec_main
+from lowprec.instruments import study
 from lowprec.runs import load_run
 
 RECIPE = ["block_size=32", "n_embd=32", "batch_size=4", "log_interval=1", "telemetry_interval=4",
@@ -70,6 +73,36 @@ def test_study_starts_only_what_fits_and_redoes_a_partial_run(tmp_path, capsys):
     assert "partial" in capsys.readouterr().out
     assert lowprec_main([*study, "--minutes", "5"]) == 0
     assert load_run(out / "model-fp32-s1").summary["steps"] == 12
+
+
+def test_study_asks_a_runs_pace_again_when_one_ends(tmp_path, capsys):
+    """The queue's estimate (1 s) lets the first run start; once it ends, the second is expected to take the
+    first's pace plus a process start (over 30 s), which no longer fits the 30-s budget."""
+    runs = [{"arm": "model-fp32", "seed": 1}, {"arm": "model-fp32", "seed": 2}]
+    queue = write_queue(tmp_path / "home", runs)
+    out = tmp_path / "out"
+    assert lowprec_main(["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes",
+                         "0.5"]) == 0
+    assert "start model-fp32-s1 (expected 1 s)" in capsys.readouterr().out
+    assert load_run(out / "model-fp32-s1").summary["steps"] == 12 and not (out / "model-fp32-s2").exists()
+
+
+def test_expected_times_project_each_pace_to_the_horizon_scaled_to_this_gpu(monkeypatch):
+    """A run the stop rule ended early counts at its pace; a group's runs on another GPU are scaled by how
+    much longer this GPU took for runs of the groups made on both; a group with no done run gets its
+    estimate."""
+    made = {"fa2-a": ("H200", 100.0, 1000), "fa2-b": ("H100", 200.0, 1000), "rowsum-a": ("H200", 50.0, 500)}
+    monkeypatch.setattr(study, "load_run", lambda name: SimpleNamespace(
+        provenance={"device": made[name][0]}, summary={"time_s": made[name][1], "steps": made[name][2]}))
+    rows = [{"name": name, "group": name.split("-")[0], "arm": name.split("-")[0], "state": "done",
+             "folder": name} for name in made]
+    rows.append({"name": "paper-a", "group": "paper", "arm": "paper", "state": "planned", "folder": None})
+    queue = {"horizon": 8000, "estimate_s": {"fa2": 300.0, "rowsum": 300.0, "paper": 300.0}}
+    h200, h100 = 0.1 * 8000 + study.START_S, 0.2 * 8000 + study.START_S  # the two fa2 runs, projected
+    found = study.expected_s(queue, rows, "H100")
+    assert found["rowsum-a"] == pytest.approx(h200 * h100 / h200) and found["paper-a"] == 300.0
+    assert found["fa2-a"] == pytest.approx(h100)
+    assert study.expected_s(queue, rows, "H200")["rowsum-a"] == pytest.approx(h200)
 
 
 def test_study_stops_starting_runs_when_one_ends_without_an_outcome(tmp_path, capsys):

@@ -66,7 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also our kernel with its streamed tiles through tensor descriptors "
                              "(triton-tma, triton+fix-tma; flash.tma_loads), interleaved with the rest")
     parser.add_argument("--aa", action="store_true",
-                        help="also our plain kernel a second time (triton-again, last in the order): "
+                        help="also our plain kernel a second time (triton-again, listed last; every round "
+                             "rotates the order): "
                              "its time over triton's is the timing method's own spread (A/A)")
     parser.add_argument("--smoke", action="store_true", help="one tiny case on the CPU (Triton interpreter)")
 
@@ -91,7 +92,7 @@ def implementations(device: str, tma: bool = False, aa: bool = False
                     ) -> tuple[dict[str, Callable], dict[str, str]]:
     """(name -> f(q, k, v, causal) for every runnable implementation, name -> why it was skipped); `tma`
     adds our kernel with its streamed tiles through tensor descriptors, Fix off and on; `aa` our plain kernel
-    again, last in the order (`triton-again`: the same launches as `triton`, timed apart from them)."""
+    again, listed last (`triton-again`: the same launches as `triton`, timed apart from them)."""
     from lowprec.attention.flash import flash_attention, tma_loads  # triton only when benchmarking
 
     impls: dict[str, Callable] = {

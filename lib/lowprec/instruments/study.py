@@ -6,9 +6,10 @@ with a "tag" and "overrides" of their own (a grid's cell, e.g. tag "lr4e-3" with
 is its arm and tag ("fa2-lr4e-3"), its record folder "<group>-s<seed>". A run is done
 when its record, in the queue's folder or in --out, reached the horizon or the stop rule; every other run is
 still planned, so the work picks up where it stopped. The runner starts planned runs in queue order, `--slots`
-at a time, each only if its expected time (the median of its arm's done runs, at least the queue's estimate,
-times --slots) ends before the budget does; a run still going when the budget ends gets SIGTERM and stays
-planned (a run has no outcome until it reaches its horizon); a run whose process ends without an outcome
+at a time, each only if its expected time (`expected_s`: its group's done runs' pace projected to the horizon,
+on another GPU scaled by this one's pace, at least the queue's estimate; times --slots) ends before the budget
+does; a run still going when the budget ends gets SIGTERM and stays planned (a run has no outcome until it
+reaches its horizon); a run whose process ends without an outcome
 stops the study (exit 1): the runs after it would most likely fail the same way. `--status` prints every
 run's state (a done run's runaway step, largest logit and final loss) and the survival table
 (`analysis.survival_table`) of the done ones and exits.
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -90,13 +92,28 @@ def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
     return ("partial", seen) if seen else ("planned", None)
 
 
-def expected_s(queue: dict, row: dict, rows: list[dict]) -> float:
-    """Seconds one run of `row`'s group is expected to take alone: the median time of the group's done runs
-    (+ START_S), at least the queue's estimate for the group (or its arm)."""
-    times = [load_run(r["folder"]).summary["time_s"] + START_S for r in rows
-             if r["group"] == row["group"] and r["state"] == "done"]
-    estimate = queue["estimate_s"].get(row["group"], queue["estimate_s"].get(row["arm"]))
-    return max(estimate, statistics.median(times) if times else 0.0)
+def expected_s(queue: dict, rows: list[dict], device: str) -> dict[str, float]:
+    """Seconds each run of `rows` (`states`; by name) is expected to take alone on `device`: the median of
+    its group's done runs' times projected to the horizon (seconds per step x horizon + START_S: a run the
+    stop rule ended counts at its pace), a run made on another device scaled by how much longer `device`
+    took for the same groups (the median ratio over its runs; 1 where no group has runs on both); at least
+    the queue's estimate for the group (or its arm)."""
+    made: dict[str, list[tuple[bool, float]]] = {}  # group -> (made on `device`, projected seconds) per run
+    for r in rows:
+        if r["state"] == "done":
+            run = load_run(r["folder"])
+            pace = run.summary["time_s"] / max(run.summary["steps"], 1)
+            made.setdefault(r["group"], []).append((run.provenance.get("device") == device,
+                                                    pace * queue["horizon"] + START_S))
+    ratios = [t / statistics.median(t2 for here2, t2 in runs if not here2) for runs in made.values()
+              for here, t in runs if here and not all(here2 for here2, _ in runs)]
+    factor = statistics.median(ratios) if ratios else 1.0
+    out = {}
+    for r in rows:
+        times = [t if here else t * factor for here, t in made.get(r["group"], [])]
+        estimate = queue["estimate_s"].get(r["group"], queue["estimate_s"].get(r["arm"]))
+        out[r["name"]] = max(estimate, statistics.median(times) if times else 0.0)
+    return out
 
 
 def states(queue: dict, home: Path, out: Path | None) -> list[dict]:
@@ -178,17 +195,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--out is required unless --status")
     for item in queue["runs"]:  # a bad override fails here, before anything starts
         get_config(queue["config"], run_overrides(queue, item))
-    every = states(queue, home, out)
-    rows = [r for r in every if r["state"] != "done"]
+    rows = [r for r in states(queue, home, out) if r["state"] != "done"]
     budget = args.minutes * 60
-    # runs sharing the GPU each take about `slots` times as long (four at once: 1.12x the tokens/s of one)
-    expected = {r["name"]: expected_s(queue, r, every) * args.slots for r in rows}
+    log = {"queue": str(args.queue), "provenance": provenance(sys.argv), "budget_s": budget, "runs": {},
+           "state": "running"}
+
+    def expected() -> dict[str, float]:
+        # runs sharing the GPU each take about `slots` times as long (four at once: 1.12x the tokens/s of one)
+        times = expected_s(queue, states(queue, home, out), log["provenance"]["device"])
+        return {name: seconds * args.slots for name, seconds in times.items()}
+
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
     started: dict[str, float] = {}
-    log = {"queue": str(args.queue), "provenance": provenance(sys.argv), "budget_s": budget, "runs": {},
-           "state": "running"}
     log_path = out / f"study-{time.strftime('%Y%m%dT%H%M%S')}.json"
     if not args.dry_run:
         write_json(log_path, log)  # what a harness killed outright leaves; its runs end with it
@@ -210,18 +230,22 @@ def run(args: argparse.Namespace) -> int:
     return 1 if log["state"] == "failed" else 0
 
 
-def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict], expected: dict[str, float],
-               budget: float, out: Path, t0: float, procs: dict[str, subprocess.Popen],
-               started: dict[str, float]) -> bool:
-    """`run`'s loop: start planned runs in queue order, `--slots` at a time, while the budget lasts (into
-    `procs` and `started`); returns when none is running and none can start, or the budget is spent (False),
-    or when a run's process ended without an outcome at the horizon (True: no further run starts, since the
-    next would most likely fail the same way; the runs still going finish)."""
+def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict],
+               expect: Callable[[], dict[str, float]], budget: float, out: Path, t0: float,
+               procs: dict[str, subprocess.Popen], started: dict[str, float]) -> bool:
+    """`run`'s loop: start planned runs in queue order, `--slots` at a time, each if its expected time
+    (`expect`, asked again whenever a run ends: a run made here tells this machine's pace) fits in the budget
+    (into `procs` and `started`); returns when none is running and none can start, or the budget is spent
+    (False), or when a run's process ended without an outcome at the horizon (True: no further run starts,
+    since the next would most likely fail the same way; the runs still going finish)."""
     ended: set[str] = set()
     failed = False
+    expected = expect()
     while True:
         now = time.monotonic() - t0
         running = [n for n, p in procs.items() if p.poll() is None]
+        if set(procs) - set(running) - ended:
+            expected = expect()
         for name in sorted(set(procs) - set(running) - ended):
             ended.add(name)
             if not failed and run_state([out / name], queue["horizon"])[0] != "done":

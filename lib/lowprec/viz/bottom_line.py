@@ -398,22 +398,23 @@ def lr_finding(results: Path = RESULTS) -> str:
 
 
 def shared_spikes(queue: str = "survival", results: Path = RESULTS) -> dict[int, tuple[int, list[RunFacts]]]:
-    """Per seed with more than one done run of a study queue (`study_groups`): the step at which most of its
-    runs first spiked (`common_spikes`), and those runs."""
+    """Per seed of a study queue's done runs (`study_groups`): the step at which most of its runs without a
+    runaway first spiked (`common_spikes`), and every run of the seed that first spiked there."""
     return common_spikes([r for group in study_groups(queue, results).values() for r in group])
 
 
 def common_spikes(runs: list[RunFacts]) -> dict[int, tuple[int, list[RunFacts]]]:
-    """Per seed with more than one run among `runs`: the step at which most of them first spiked
-    (`RunFacts.spike`; of equally common steps the earliest), and those runs; seeds whose runs never spiked
+    """Per seed with at least two runs among `runs` that never ran away and spiked: the step at which most of
+    those first spiked (`RunFacts.spike`; of equally common steps the earliest), and every run of the seed
+    that first spiked there (a run that ran away spikes for its own reason, so it has no vote); other seeds
     are left out."""
     by_seed: dict[int, list[RunFacts]] = {}
     for r in runs:
         by_seed.setdefault(r.seed, []).append(r)
     out = {}
     for seed, group in sorted(by_seed.items()):
-        steps = [r.spike for r in group if r.spike is not None]
-        if len(group) > 1 and steps:
+        steps = [r.spike for r in group if r.spike is not None and r.runaway is None]
+        if len(steps) > 1:
             step = max(sorted(set(steps)), key=steps.count)
             out[seed] = (step, [r for r in group if r.spike == step])
     return out
@@ -487,6 +488,12 @@ def bottom_line(results: Path = RESULTS) -> str:
     plain_fa2, plain_fp32 = study_arms.get("fa2", []), study_arms.get("attn-fp32", [])
     claim(plain_fa2 and plain_fp32 and not any(r.runaway for r in (*plain_fa2, *plain_fp32)),
           "fa2 and attn-fp32 at the recipe's learning rate: no survival runaway")
+    sv_done, sv_total, _ = queue_progress(results / "explode" / "survival" / "queue.json")
+    queued = study.load_queue(results / "explode" / "survival" / "queue.json")["runs"]
+    per_arm = max(sum(r["arm"] == arm for r in queued) for arm in {r["arm"] for r in queued})
+    study_ell = [study_arms.get(arm, []) for arm in ("bf16rowsum", "fp32pv")]
+    claim(all(len(group) < per_arm for group in study_ell) and tally(study_ell[1], "runaway")[0] > 0,
+          "the primary test is interim, and fp32pv ran away in the study")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
     control = len(half_rate(results).control)
     nor = {0: "", 1: ", nor the one run with no bf16 anywhere"}.get(
@@ -516,10 +523,14 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"same arm with $\\ell$ in fp32 (`fp32pv`) in {rate(*tally(fp32pv, 'runaway'))} (Fisher's exact "
         f"test p = {ell_p:.2g}; within the {len(both)} seeds that ran both arms p = {ell_p_seeds:.2g}; the "
         f"runs are of unequal length, {min(r.steps for r in rowsum + fp32pv):,} to "
-        f"{max(r.steps for r in rowsum + fp32pv):,} steps). An fp32 $\\ell$ "
-        f"does not rule a runaway out: `fa2` keeps it in fp32 and ran away once at {SMALL:,} tokens per "
-        f"step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away in both runs of its one seed (without "
-        f"the stop rule). These are counts; no single run shows a cause. At the recipe's learning rate none "
+        f"{max(r.steps for r in rowsum + fp32pv):,} steps). On the larger `{BIG_CORPUS}` corpus the study's "
+        f"primary test of the same two arms ({per_arm} seeds each, registered before its runs) stands at "
+        f"{tally(study_ell[0], 'runaway')[0]} of {len(study_ell[0])} against "
+        f"{tally(study_ell[1], 'runaway')[0]} of {len(study_ell[1])} (interim, no test yet). An fp32 $\\ell$ "
+        f"does not rule a runaway out: `fp32pv` ran away in the study too, `fa2` keeps $\\ell$ in fp32 and "
+        f"ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away "
+        f"in both runs of its one seed (without the stop rule). These are counts; no single run shows a "
+        f"cause. At the recipe's learning rate none "
         f"of the {len(plain_fa2)} `fa2` and {len(plain_fp32)} `attn-fp32` survival runs ran away in "
         f"{survival_steps:,} steps.")
 
@@ -529,9 +540,6 @@ def bottom_line(results: Path = RESULTS) -> str:
     fixed = select(runs, "paper64-fix")
     claim(tally(fixed, "runaway") == (3, 3), "the Fix: paper64-fix ran away in 3 of 3")
     claim(runs["bigbatch-fix/paper64-fix-s1337"].explosion is not None, "the Fix exploded at 262k")
-    sv_done, sv_total, _ = queue_progress(results / "explode" / "survival" / "queue.json")
-    queued = study.load_queue(results / "explode" / "survival" / "queue.json")["runs"]
-    per_arm = max(sum(r["arm"] == arm for r in queued) for arm in {r["arm"] for r in queued})
     fp32_attn, fp32_model, cons_fa2 = (study_arms.get(arm, [])
                                        for arm in ("attn-fp32", "model-fp32", "fa2-consistent"))
     fp32_below = [*fp32_attn, *(r for lr in ("4e-3", "1e-3")
