@@ -9,6 +9,8 @@
 #                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
 #                                  scripts/time_arm.py times 300 steps of ARM (none: skipped) of the first queue
 #                                  (the committed sample in place of the corpus: same model and batch), then
+#                                  (PROBE_PAIR="A B") PROBE_PAIR_STEPS=400 steps of B alone (time-alone.json),
+#                                  then of A and B at once (time-pair-A.json, time-pair-B.json), then
 #                                  `lowprec bench overhead PROBE_BENCH` (default --profile; none: skipped)
 #                                  into overhead.json, then PROBE_EXTRA (a command line, run with WORK set,
 #                                  e.g. a `lowprec bench attention` with --out '$WORK/bench-tma.json':
@@ -17,7 +19,8 @@
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue
 #                                  (QUEUE may name several, the first for at most FIRST minutes), SLOTS runs at
-#                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone); after
+#                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone on an
+#                                  H200; auto: 2 where the probe's pair made PAIR_GAIN=1.4 x one alone); after
 #                                  a probe (waited for, at most PROBE_WAIT_S=120 s) ARM's estimate is its
 #                                  projected time + 60 s; END_AT=<epoch seconds> in place of MINUTES: the
 #                                  whole minutes from the probe's end to then (the device budget's end, less
@@ -49,6 +52,13 @@ probe)
       -k "$PROBE_TESTS" > "$3/probe-tests.log" 2>&1
     [ "$2" != none ] && python3 scripts/time_arm.py --queue "${1%% *}" --arm "$2" --steps 300 --work "$3" \
       --set data=sample:bytes --out "$3/time-$2.json"
+    if [ -n "${PROBE_PAIR:-}" ]; then  # two arms: the second alone, then both at once (for SLOTS=auto)
+      read -r a b <<< "$PROBE_PAIR"
+      pair() { python3 scripts/time_arm.py --queue "${1%% *}" --arm "$2" --steps "${PROBE_PAIR_STEPS:-400}" \
+                 --work "$3" --set data=sample:bytes --out "$4"; }
+      pair "$1" "$b" "$3/alone" "$3/time-alone.json"
+      pair "$1" "$a" "$3/pair" "$3/time-pair-$a.json" & pair "$1" "$b" "$3/pair" "$3/time-pair-$b.json"; wait
+    fi
     # shellcheck disable=SC2086
     [ "${PROBE_BENCH:-}" != none ] && python3 -m lowprec.cli bench overhead ${PROBE_BENCH:---profile} \
       --out "$3/overhead.json"
@@ -69,6 +79,16 @@ go)
     [ -e "$WORK/time-$arm.json" ] && estimate=(--estimate "$arm=$(python3 -c \
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
     echo "probe: ${estimate[*]:-no estimate}"
+  fi
+  if [ "${SLOTS:-1}" = auto ]; then  # two at a time where the probe's pair made PAIR_GAIN x one alone's tokens/s
+    SLOTS=$(python3 -c 'import glob, json, sys
+pair = [json.load(open(p))["tokens_per_s"] for p in sorted(glob.glob(sys.argv[1] + "/time-pair-*.json"))]
+alone = json.load(open(sys.argv[1] + "/time-alone.json"))["tokens_per_s"] if len(pair) == 2 else 0
+gain = sum(pair) / alone if alone else 0
+print(f"pair {gain:.2f} x one alone", file=sys.stderr)
+print(2 if gain >= float(sys.argv[2]) else 1)' "$WORK" "${PAIR_GAIN:-1.4}" || echo 1)
+    export SLOTS
+    echo "slots: $SLOTS"
   fi
   if [ -n "${END_AT:-}" ]; then
     MINUTES=$(( (END_AT - $(date +%s)) / 60 ))

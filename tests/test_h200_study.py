@@ -109,3 +109,27 @@ def test_probe_without_the_overhead_bench(tmp_path) -> None:
     assert (work / "bench-extra.json").read_text() == "measured\n"
     log = (work / "probe.log").read_text()
     assert not (work / "overhead.json").exists() and "lowprec" not in log, log  # no bench ran, nor failed
+
+
+def test_go_takes_two_slots_where_the_probes_pair_gained(tmp_path) -> None:
+    """SLOTS=auto: two runs at a time where the probe's two runs at once made at least PAIR_GAIN (1.4) times
+    the tokens/s of one alone, else one; one where the probe left no pair."""
+    first = queue(tmp_path / "survival", [{"arm": "model-fp32", "seed": 1}], {"model-fp32": 1e6})
+    script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
+    cases = (("gained", 100, (80, 70), 2), ("not", 100, (70, 60), 1), ("none", 0, (), 1))
+    for name, alone, pair, slots in cases:
+        work, out = tmp_path / name, tmp_path / f"{name}-out"
+        work.mkdir()
+        out.mkdir()
+        if alone:
+            (work / "time-alone.json").write_text(json.dumps({"tokens_per_s": alone}))
+        for arm, rate in zip(("a", "b"), pair, strict=False):
+            (work / f"time-pair-{arm}.json").write_text(json.dumps({"tokens_per_s": rate}))
+        env = {**os.environ, "WORK": str(work), "OUT": str(out), "QUEUE": str(first), "SLOTS": "auto",
+               "PHASE": "go", "MINUTES": "2", "PYTHONPATH": str(ROOT / "lib"),
+               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        go = subprocess.run(script, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert go.returncode == 0 and f"slots: {slots}" in go.stdout, go.stdout + go.stderr
+        wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "60"}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert wait.returncode == 0 and f"{slots} at a time" in (work / "go.log").read_text()
