@@ -9,10 +9,9 @@ still planned, so the work picks up where it stopped. The runner starts planned 
 at a time, each only if its expected time (`expected_s`: its group's done runs' pace projected to the horizon,
 on another GPU scaled by this one's pace, at least the queue's estimate; times --slots) ends before the budget
 does; a run still going when the budget ends gets SIGTERM and stays planned (a run has no outcome until it
-reaches its horizon); a run whose process ends without an outcome
-stops the study (exit 1): the runs after it would most likely fail the same way. `--status` prints every
-run's state (a done run's runaway step, largest logit and final loss) and the survival table
-(`analysis.survival_table`) of the done ones and exits.
+reaches its horizon); a run whose process ends without an outcome stops the study (exit 1): the runs after it
+would most likely fail the same way. `--status` prints every run's state (a done run's runaway step, largest
+logit and final loss) and the survival table (`analysis.survival_table`) of the done ones and exits.
 """
 
 from __future__ import annotations
