@@ -519,7 +519,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         "none with attention in fp32" + nor + "; which bf16 rounding point starts the production placement's "
         "runaways is open. In full: " + finding + " Which rounding point, at the recipe's rate: "
         f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
-        f"{rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. The runaways go with a bf16 row sum "
+        f"{rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. More runs ran away with a bf16 row sum "
         f"$\\ell$: rounding only $\\ell$ (`bf16rowsum`) ran away in {rate(*tally(rowsum, 'runaway'))}, the "
         f"same arm with $\\ell$ in fp32 (`fp32pv`) in {rate(*tally(fp32pv, 'runaway'))} (Fisher's exact "
         f"test p = {ell_p:.2g}; within the {len(both)} seeds that ran both arms p = {ell_p_seeds:.2g}; the "
