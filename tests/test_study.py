@@ -85,6 +85,8 @@ def test_study_asks_a_runs_pace_again_when_one_ends(tmp_path, capsys):
                          "0.5"]) == 0
     assert "start model-fp32-s1 (expected 1 s)" in capsys.readouterr().out
     assert load_run(out / "model-fp32-s1").summary["steps"] == 12 and not (out / "model-fp32-s2").exists()
+    log = json.loads(next(out.glob("study-*.json")).read_text())  # what each run was expected to take
+    assert list(log["runs"]) == ["model-fp32-s1"] and log["runs"]["model-fp32-s1"]["expected_s"] == 1.0
 
 
 def test_expected_times_project_each_pace_to_the_horizon_scaled_to_this_gpu(monkeypatch):

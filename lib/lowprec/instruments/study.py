@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
-    started: dict[str, float] = {}
+    started: dict[str, dict[str, float]] = {}  # name -> its start and expected time, in seconds
     log_path = out / f"study-{time.strftime('%Y%m%dT%H%M%S')}.json"
     if not args.dry_run:
         write_json(log_path, log)  # what a harness killed outright leaves; its runs end with it
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         stop_all(procs, args.grace)
     for name, proc in procs.items():
         state, _ = run_state([out / name], queue["horizon"])
-        log["runs"][name] = {"started_s": started[name], "exit_code": proc.returncode, "state": state}
+        log["runs"][name] = {**started[name], "exit_code": proc.returncode, "state": state}
     if not args.dry_run:
         log["wall_s"] = time.monotonic() - t0
         write_json(log_path, log)
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict],
                expect: Callable[[], dict[str, float]], budget: float, out: Path, t0: float,
-               procs: dict[str, subprocess.Popen], started: dict[str, float]) -> bool:
+               procs: dict[str, subprocess.Popen], started: dict[str, dict[str, float]]) -> bool:
     """`run`'s loop: start planned runs in queue order, `--slots` at a time, each if its expected time
     (`expect`, asked again whenever a run ends: a run made here tells this machine's pace) fits in the budget
     (into `procs` and `started`); returns when none is running and none can start, or the budget is spent
@@ -271,7 +271,7 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict],
             gpu = 0 if torch.cuda.is_available() else None
             threads = None if gpu == 0 else max(1, (os.cpu_count() or 1) // args.slots)
             procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)
-            started[name] = now
+            started[name] = {"started_s": now, "expected_s": expected[name]}
             running.append(name)
             print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
         if args.dry_run or not running:
