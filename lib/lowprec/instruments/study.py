@@ -104,8 +104,11 @@ def expected_s(queue: dict, rows: list[dict], device: str) -> dict[str, float]:
             pace = run.summary["time_s"] / max(run.summary["steps"], 1)
             made.setdefault(r["group"], []).append((run.provenance.get("device") == device,
                                                     pace * queue["horizon"] + START_S))
-    ratios = [t / statistics.median(t2 for here2, t2 in runs if not here2) for runs in made.values()
-              for here, t in runs if here and not all(here2 for here2, _ in runs)]
+    ratios = []  # this device's runs over the median of their group's runs elsewhere
+    for runs in made.values():
+        elsewhere = [t for here, t in runs if not here]
+        if elsewhere:
+            ratios += [t / statistics.median(elsewhere) for here, t in runs if here]
     factor = statistics.median(ratios) if ratios else 1.0
     out = {}
     for r in rows:
@@ -243,9 +246,10 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict],
     while True:
         now = time.monotonic() - t0
         running = [n for n, p in procs.items() if p.poll() is None]
-        if set(procs) - set(running) - ended:
+        just_ended = sorted(set(procs) - set(running) - ended)
+        if just_ended:
             expected = expect()
-        for name in sorted(set(procs) - set(running) - ended):
+        for name in just_ended:
             ended.add(name)
             if not failed and run_state([out / name], queue["horizon"])[0] != "done":
                 failed = True

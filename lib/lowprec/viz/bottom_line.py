@@ -13,6 +13,7 @@ it shows (claims checked) for the intro and chapters 3 to 5 alike.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import statistics
@@ -489,10 +490,11 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(plain_fa2 and plain_fp32 and not any(r.runaway for r in (*plain_fa2, *plain_fp32)),
           "fa2 and attn-fp32 at the recipe's learning rate: no survival runaway")
     sv_done, sv_total, _ = queue_progress(results / "explode" / "survival" / "queue.json")
-    queued = study.load_queue(results / "explode" / "survival" / "queue.json")["runs"]
-    per_arm = max(sum(r["arm"] == arm for r in queued) for arm in {r["arm"] for r in queued})
+    planned = collections.Counter(r["arm"] for r in study.load_queue(
+        results / "explode" / "survival" / "queue.json")["runs"])  # runs per arm
+    per_arm = max(planned.values())
     study_ell = [study_arms.get(arm, []) for arm in ("bf16rowsum", "fp32pv")]
-    ell_seeds = {sum(r["arm"] == arm for r in queued) for arm in ("bf16rowsum", "fp32pv")}  # planned per arm
+    ell_seeds = {planned[arm] for arm in ("bf16rowsum", "fp32pv")}
     claim(len(ell_seeds) == 1 and all(len(group) < min(ell_seeds) for group in study_ell)
           and tally(study_ell[1], "runaway")[0] > 0, "the primary test is interim, and fp32pv ran away in it")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
