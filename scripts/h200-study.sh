@@ -142,8 +142,15 @@ wait|pack)
 take)
   into=${INTO:-results/explode}; tmp=$(mktemp -d)
   tar xzf "$PACK" -C "$tmp" || exit 1
-  for queue in "$tmp"/*/; do
+  shopt -s nullglob; folders=("$tmp"/*/)
+  if [ ${#folders[@]} = 0 ]; then  # probe.tgz, repro.tgz: measurements, not runs of a queue
+    echo "PACK=$PACK: no queue folder in it (a probe or repro pack: open it with tar xzf)" >&2; rm -rf "$tmp"; exit 2
+  fi
+  for queue in "${folders[@]}"; do
     name=$(basename "$queue")
+    if [ ! -e "$into/$name/queue.json" ]; then
+      echo "PACK=$PACK: $name has no queue here ($into/$name/queue.json; INTO names the folder)" >&2; continue
+    fi
     # shellcheck disable=SC2016
     python3 -c '
 import sys

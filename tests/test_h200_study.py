@@ -134,3 +134,20 @@ def test_go_takes_two_slots_where_the_probes_pair_gained(tmp_path) -> None:
                               capture_output=True, text=True, timeout=120)
         assert wait.returncode == 0
         assert name != "gained" or "2 at a time" in (work / "go.log").read_text(), "the study gets the slots"
+
+
+def test_take_names_a_pack_without_a_queue_in_one_line(tmp_path) -> None:
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "time-alone.json").write_text("{}")
+    with tarfile.open(tmp_path / "probe.tgz", "w:gz") as pack:
+        pack.add(probe / "time-alone.json", arcname="time-alone.json")
+    with tarfile.open(tmp_path / "stray.tgz", "w:gz") as pack:
+        pack.add(probe, arcname="stray")
+    env = {**os.environ, "PHASE": "take", "INTO": str(tmp_path / "results"), "PYTHONPATH": str(ROOT / "lib")}
+    script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
+    for name, said in (("probe", "no queue folder in it"), ("stray", "stray has no queue here")):
+        take = subprocess.run(script, env={**env, "PACK": str(tmp_path / f"{name}.tgz")}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert said in take.stderr and "Traceback" not in take.stderr, take.stderr
+        assert len(take.stderr.strip().splitlines()) == 1
