@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    missing = [str(path) for path in args.chapters if not path.is_file()]
+    if missing:
+        parser.error(f"chapters: no such file: {', '.join(missing)}")
     cache = get_cache(str(args.cache))
     todo = []
     for path in args.chapters:

@@ -31,3 +31,11 @@ def test_a_kernel_that_does_not_start_is_started_again(monkeypatch, capsys, fail
     said = capsys.readouterr().err
     assert "glossary.md: the kernel did not start (Kernel didn't respond in 60 seconds), attempt 1 of 2" \
         in said
+
+
+def test_a_missing_chapter_is_named_in_one_line(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        execute_chapters.main([str(tmp_path / "04-low-rank.md"), "--cache", str(tmp_path / "cache")])
+    assert stop.value.code == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1].endswith(f"chapters: no such file: {tmp_path / '04-low-rank.md'}")
