@@ -20,7 +20,9 @@
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue
 #                                  (QUEUE may name several, the first for at most FIRST minutes), SLOTS runs at
 #                                  a time (default 1; four at once gave 1.12x the tokens/s of one alone on an
-#                                  H200; auto: 2 where the probe's pair made PAIR_GAIN=1.4 x one alone); after
+#                                  H200; auto: one per GPU where the machine has several (GPUS: their number,
+#                                  else counted), else 2 where the probe's pair made PAIR_GAIN=1.4 x one
+#                                  alone; the study spreads its runs over the GPUs); after
 #                                  a probe (waited for, at most PROBE_WAIT_S=120 s) ARM's estimate is its
 #                                  projected time + 60 s; END_AT=<epoch seconds> in place of MINUTES: the
 #                                  whole minutes from the probe's end to then (the device budget's end, less
@@ -80,7 +82,12 @@ go)
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
     echo "probe: ${estimate[*]:-no estimate}"
   fi
-  if [ "${SLOTS:-1}" = auto ]; then  # two at a time where the probe's pair made PAIR_GAIN x one alone's tokens/s
+  gpus=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())' 2> /dev/null || echo 0)}
+  if [ "${SLOTS:-1}" = auto ] && [ "$gpus" -gt 1 ]; then  # one run per GPU (the study spreads them)
+    SLOTS=$gpus
+    export SLOTS
+    echo "gpus: $gpus, slots: $SLOTS"
+  elif [ "${SLOTS:-1}" = auto ]; then  # two at a time where the probe's pair made PAIR_GAIN x one alone's tokens/s
     SLOTS=$(python3 -c 'import glob, json, sys
 pair = [json.load(open(p))["tokens_per_s"] for p in sorted(glob.glob(sys.argv[1] + "/time-pair-*.json"))]
 alone = json.load(open(sys.argv[1] + "/time-alone.json"))["tokens_per_s"] if len(pair) == 2 else 0

@@ -113,7 +113,8 @@ def test_probe_without_the_overhead_bench(tmp_path) -> None:
 
 def test_go_takes_two_slots_where_the_probes_pair_gained(tmp_path) -> None:
     """SLOTS=auto: two runs at a time where the probe's two runs at once made at least PAIR_GAIN (1.4) times
-    the tokens/s of one alone, else one; one where the probe left no pair."""
+    the tokens/s of one alone, else one; one where the probe left no pair; one per GPU on a machine with
+    several."""
     first = queue(tmp_path / "survival", [{"arm": "model-fp32", "seed": 1}], {"model-fp32": 1e6})
     script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
     cases = (("gained", 100, (80, 70), 2), ("not", 100, (70, 60), 1), ("none", 0, (), 1))
@@ -134,6 +135,9 @@ def test_go_takes_two_slots_where_the_probes_pair_gained(tmp_path) -> None:
                               capture_output=True, text=True, timeout=120)
         assert wait.returncode == 0
         assert name != "gained" or "2 at a time" in (work / "go.log").read_text(), "the study gets the slots"
+    several = subprocess.run(script, env={**env, "GPUS": "4", "WORK": str(tmp_path / "none")}, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)  # a machine with four GPUs
+    assert several.returncode == 0 and "gpus: 4, slots: 4" in several.stdout, several.stdout + several.stderr
 
 
 def test_take_names_a_pack_without_a_queue_in_one_line(tmp_path) -> None:

@@ -132,3 +132,34 @@ def test_study_rejects_a_bad_queue(tmp_path, capsys):
     assert lowprec_main(["experiment", "study", "--queue", str(queue), "--status"]) == 2
     assert lowprec_main(["experiment", "study"]) == 2
     assert "the following arguments are required: --queue" in capsys.readouterr().err
+
+
+def test_study_spreads_its_slots_over_the_gpus(tmp_path, capsys, monkeypatch):
+    """On a machine with two GPUs (faked: the runs themselves train on the CPU), two slots put one run on each
+    GPU, and a run that does not share its GPU is expected at its time alone; the third run takes the GPU
+    that a run left. --gpus beyond the machine's is refused in one line."""
+    placed = []
+    real_launch = study.launch
+
+    def launch(cmd, gpu, log, threads=None):
+        placed.append(gpu)
+        return real_launch(cmd, None, log, 1)
+
+    monkeypatch.setattr(study, "launch", launch)
+    monkeypatch.setattr(study.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(study.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(study.torch.cuda, "get_device_name", lambda *_: "Fake GPU")
+    runs = [{"arm": "model-fp32", "seed": seed} for seed in (1, 2, 3)]
+    queue = write_queue(tmp_path / "home", runs)
+    out = tmp_path / "out"
+    args = ["experiment", "study", "--queue", str(queue), "--out", str(out), "--minutes", "5", "--slots", "2"]
+    assert lowprec_main(args) == 0
+    printed = capsys.readouterr().out
+    assert placed[:2] == [0, 1] and len(placed) == 3 and placed[2] in (0, 1)
+    assert "start model-fp32-s1 on GPU 0 (expected 1 s)" in printed  # not 2 s: it has its GPU alone
+    assert "start model-fp32-s2 on GPU 1 (expected 1 s)" in printed
+    log = json.loads(next(out.glob("study-*.json")).read_text())
+    assert [log["runs"][f"model-fp32-s{seed}"]["gpu"] for seed in (1, 2, 3)] == placed
+    assert all(load_run(out / f"model-fp32-s{seed}").summary["steps"] == 12 for seed in (1, 2, 3))
+    assert lowprec_main([*args, "--gpus", "3"]) == 2
+    assert "--gpus 3: this machine has 2 visible GPU(s); pass 0..2" in capsys.readouterr().err

@@ -6,12 +6,14 @@ with a "tag" and "overrides" of their own (a grid's cell, e.g. tag "lr4e-3" with
 is its arm and tag ("fa2-lr4e-3"), its record folder "<group>-s<seed>". A run is done
 when its record, in the queue's folder or in --out, reached the horizon or the stop rule; every other run is
 still planned, so the work picks up where it stopped. The runner starts planned runs in queue order, `--slots`
-at a time, each only if its expected time (`expected_s`: its group's done runs' pace projected to the horizon,
-on another GPU scaled by this one's pace, at least the queue's estimate; times --slots) ends before the budget
-does; a run still going when the budget ends gets SIGTERM and stays planned (a run has no outcome until it
-reaches its horizon); a run whose process ends without an outcome stops the study (exit 1): the runs after it
-would most likely fail the same way. `--status` prints every run's state (a done run's runaway step, largest
-logit and final loss) and the survival table (`analysis.survival_table`) of the done ones and exits.
+at a time, spread over `--gpus` (default: every visible GPU; each run goes to the GPU running fewest), each
+only if its expected time (`expected_s`: its group's done runs' pace projected to the horizon, on another GPU
+scaled by this one's pace, at least the queue's estimate; times the runs that share a GPU, or the CPU) ends
+before the budget does; a run still going when the budget ends gets SIGTERM and stays planned (a run has no
+outcome until it reaches its horizon); a run whose process ends without an outcome stops the study (exit 1):
+the runs after it would most likely fail the same way. `--status` prints every run's state (a done run's
+runaway step, largest logit and final loss) and the survival table (`analysis.survival_table`) of the done
+ones and exits.
 """
 
 from __future__ import annotations
@@ -156,7 +158,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=option(float, 0, low_open=True), default=20.0,
                         help="no run starts that would end after this")
     parser.add_argument("--slots", type=option(int, 1), default=1,
-                        help="runs at a time (on the one GPU, or the CPU)")
+                        help="runs at a time, spread over the GPUs (or sharing the CPU)")
+    parser.add_argument("--gpus", type=option(int, 0), default=None,
+                        help="GPUs to spread the runs over (default: every visible one; 0: the CPU)")
     parser.add_argument("--status", action="store_true",
                         help="print each run's state and outcome and the table, exit")
     parser.add_argument("--dry-run", action="store_true",
@@ -197,15 +201,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--out is required unless --status")
     for item in queue["runs"]:  # a bad override fails here, before anything starts
         get_config(queue["config"], run_overrides(queue, item))
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.gpus is not None and args.gpus > visible:
+        raise ValueError(f"--gpus {args.gpus}: this machine has {visible} visible GPU(s); pass 0..{visible}")
+    gpus = visible if args.gpus is None else args.gpus
+    sharing = -(-args.slots // gpus) if gpus else args.slots  # runs on one GPU (or the CPU) at a time
     rows = [r for r in states(queue, home, out) if r["state"] != "done"]
     budget = args.minutes * 60
     log = {"queue": str(args.queue), "provenance": provenance(sys.argv), "budget_s": budget, "runs": {},
            "state": "running"}
 
     def expected() -> dict[str, float]:
-        # runs sharing the GPU each take about `slots` times as long (four at once: 1.12x the tokens/s of one)
+        # runs sharing a GPU each take about that many times as long (four at once: 1.12x the tokens/s of one)
         times = expected_s(queue, states(queue, home, out), log["provenance"]["device"])
-        return {name: seconds * args.slots for name, seconds in times.items()}
+        return {name: seconds * sharing for name, seconds in times.items()}
 
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -216,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(log_path, log)  # what a harness killed outright leaves; its runs end with it
     with signals_interrupt():
         try:
-            failed = _make_runs(args, queue, rows, expected, budget, out, t0, procs, started)
+            failed = _make_runs(args, queue, rows, expected, budget, out, t0, procs, started, gpus)
             log["state"] = "failed" if failed else "finished"
         except KeyboardInterrupt:
             log["state"] = "stopped"
@@ -234,8 +243,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict],
                expect: Callable[[], dict[str, float]], budget: float, out: Path, t0: float,
-               procs: dict[str, subprocess.Popen], started: dict[str, dict[str, float]]) -> bool:
-    """`run`'s loop: start planned runs in queue order, `--slots` at a time, each if its expected time
+               procs: dict[str, subprocess.Popen], started: dict[str, dict[str, float]], gpus: int) -> bool:
+    """`run`'s loop: start planned runs in queue order, `--slots` at a time (each on the one of `gpus` GPUs
+    running fewest, or on the CPU where `gpus` is 0), each if its expected time
     (`expect`, asked again whenever a run ends: a run made here tells this machine's pace) fits in the budget
     (into `procs` and `started`); returns when none is running and none can start, or the budget is spent
     (False), or when a run's process ended without an outcome at the horizon (True: no further run starts,
@@ -272,12 +282,14 @@ def _make_runs(args: argparse.Namespace, queue: dict, rows: list[dict],
             if folder.exists():  # a partial record of an earlier budget: the run starts over
                 shutil.rmtree(folder)
             cmd = train_command(queue, r, folder)
-            gpu = 0 if torch.cuda.is_available() else None
-            threads = None if gpu == 0 else max(1, (os.cpu_count() or 1) // args.slots)
+            on = [started[n].get("gpu") for n in running]
+            gpu = min(range(gpus), key=on.count) if gpus else None  # the GPU running fewest
+            threads = None if gpus else max(1, (os.cpu_count() or 1) // args.slots)
             procs[name] = launch(cmd, gpu, out / f"{name}.log", threads)
-            started[name] = {"started_s": now, "expected_s": expected[name]}
+            started[name] = {"started_s": now, "expected_s": expected[name], **({"gpu": gpu} if gpus else {})}
             running.append(name)
-            print(f"[{now:5.0f}s] start {name} (expected {expected[name]:.0f} s)", flush=True)
+            where = f" on GPU {gpu}" if gpus > 1 else ""
+            print(f"[{now:5.0f}s] start {name}{where} (expected {expected[name]:.0f} s)", flush=True)
         if args.dry_run or not running:
             return failed
         minute = int((time.monotonic() - t0) // 60)
