@@ -82,8 +82,10 @@ go)
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
     echo "probe: ${estimate[*]:-no estimate}"
   fi
-  gpus=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())' 2> /dev/null || echo 0)}
-  if [ "${SLOTS:-1}" = auto ] && [ "$gpus" -gt 1 ]; then  # one run per GPU (the study spreads them)
+  gpus=0
+  [ "${SLOTS:-1}" = auto ] && gpus=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())' \
+                                              2> /dev/null || echo 0)}
+  if [ "$gpus" -gt 1 ]; then  # SLOTS=auto on a machine with several GPUs: one run per GPU (the study spreads them)
     SLOTS=$gpus
     export SLOTS
     echo "gpus: $gpus, slots: $SLOTS"
@@ -151,7 +153,8 @@ take)
   tar xzf "$PACK" -C "$tmp" || exit 1
   shopt -s nullglob; folders=("$tmp"/*/)
   if [ ${#folders[@]} = 0 ]; then  # probe.tgz, repro.tgz: measurements, not runs of a queue
-    echo "PACK=$PACK: no queue folder in it (a probe or repro pack: open it with tar xzf)" >&2; rm -rf "$tmp"; exit 2
+    echo "PACK=$PACK: no queue folder in it (a probe or repro pack: open it with tar xzf)" >&2
+    rm -rf "$tmp"; exit 2
   fi
   for queue in "${folders[@]}"; do
     name=$(basename "$queue")
