@@ -83,8 +83,10 @@ go)
     echo "probe: ${estimate[*]:-no estimate}"
   fi
   gpus=0
-  [ "${SLOTS:-1}" = auto ] && gpus=${GPUS:-$(python3 -c 'import torch; print(torch.cuda.device_count())' \
-                                              2> /dev/null || echo 0)}
+  if [ "${SLOTS:-1}" = auto ]; then  # GPUS, else counted (no nvidia-smi: no GPU, and torch's import is spared)
+    gpus=${GPUS:-$(command -v nvidia-smi > /dev/null && python3 -c \
+      'import torch; print(torch.cuda.device_count())' 2> /dev/null || echo 0)}
+  fi
   if [ "$gpus" -gt 1 ]; then  # SLOTS=auto on a machine with several GPUs: one run per GPU (the study spreads them)
     SLOTS=$gpus
     export SLOTS
