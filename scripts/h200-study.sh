@@ -14,7 +14,7 @@
 #                                  `lowprec bench overhead PROBE_BENCH` (default --profile; none: skipped)
 #                                  into overhead.json, then PROBE_EXTRA (a command line, run with WORK set,
 #                                  e.g. a `lowprec bench attention` with --out '$WORK/bench-tma.json':
-#                                  bench-*.json and cures.json are packed too)
+#                                  bench-*.json, cures.json and profile-*.txt are packed too)
 #   PHASE=go MINUTES=M [REPRO=1]   in its own process session: (REPRO=1) `lowprec measure reproducibility`
 #                                  (1,000 steps of the recipe, groups of 1, 1, 2 and 4 runs, --probe), then
 #                                  `lowprec experiment study` for what is left of M minutes, queue by queue
@@ -148,7 +148,7 @@ wait|pack)
     reproducibility.json repro go.log
   # shellcheck disable=SC2046
   [ -e probe.log ] && tar czf "$OUT/probe.tgz" --exclude=checkpoint --exclude=writer.lock probe.log \
-    $(ls -d time-* overhead.json bench-*.json cures.json probe-tests.log 2> /dev/null)
+    $(ls -d time-* overhead.json bench-*.json cures.json profile-*.txt probe-tests.log 2> /dev/null)
   ls -la "$OUT" ;;
 take)
   into=${INTO:-results/explode}; tmp=$(mktemp -d)

@@ -155,3 +155,20 @@ def test_take_names_a_pack_without_a_queue_in_one_line(tmp_path) -> None:
                               capture_output=True, text=True, timeout=60)
         assert said in take.stderr and "Traceback" not in take.stderr, take.stderr
         assert len(take.stderr.strip().splitlines()) == 1
+
+
+def test_pack_brings_the_probes_measurements(tmp_path) -> None:
+    """PHASE=pack: probe.tgz holds the probe's log and what PROBE_EXTRA wrote (timings, benches, profiles)."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    made = ["probe.log", "time-alone.json", "bench-aa.json", "profile-det.txt", "probe-tests.log"]
+    for name in [*made, "checkpoint", "notes.md"]:
+        (work / name).write_text("x\n")
+    env = {**os.environ, "WORK": str(work), "OUT": str(out), "PHASE": "pack",
+           "QUEUE": str(tmp_path / "q.json")}  # a queue with no records: no queue pack
+    pack = subprocess.run(["bash", str(ROOT / "scripts" / "h200-study.sh")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert pack.returncode == 0, pack.stderr
+    with tarfile.open(out / "probe.tgz") as probe:
+        assert sorted(probe.getnames()) == sorted(made)
