@@ -82,24 +82,24 @@ go)
       'import json, sys; print(round(json.load(open(sys.argv[1]))["projected_s"] + 60))' "$WORK/time-$arm.json")")
     echo "probe: ${estimate[*]:-no estimate}"
   fi
-  gpus=0
-  if [ "${SLOTS:-1}" = auto ]; then  # GPUS, else counted (no nvidia-smi: no GPU, and torch's import is spared)
+  if [ "${SLOTS:-1}" = auto ]; then
+    # one run per GPU where the machine has several (GPUS, else counted; no nvidia-smi: no GPU, and torch's
+    # import is spared), else two at a time where the probe's pair made PAIR_GAIN x one alone's tokens/s
     gpus=${GPUS:-$(command -v nvidia-smi > /dev/null && python3 -c \
       'import torch; print(torch.cuda.device_count())' 2> /dev/null || echo 0)}
-  fi
-  if [ "$gpus" -gt 1 ]; then  # SLOTS=auto on a machine with several GPUs: one run per GPU (the study spreads them)
-    SLOTS=$gpus
-    export SLOTS
-    echo "gpus: $gpus, slots: $SLOTS"
-  elif [ "${SLOTS:-1}" = auto ]; then  # two at a time where the probe's pair made PAIR_GAIN x one alone's tokens/s
-    SLOTS=$(python3 -c 'import glob, json, sys
+    if [ "$gpus" -gt 1 ]; then
+      SLOTS=$gpus
+      echo "gpus: $gpus, slots: $SLOTS"
+    else
+      SLOTS=$(python3 -c 'import glob, json, sys
 pair = [json.load(open(p))["tokens_per_s"] for p in sorted(glob.glob(sys.argv[1] + "/time-pair-*.json"))]
 alone = json.load(open(sys.argv[1] + "/time-alone.json"))["tokens_per_s"] if len(pair) == 2 else 0
 gain = sum(pair) / alone if alone else 0
 print(f"pair {gain:.2f} x one alone", file=sys.stderr)
 print(2 if gain >= float(sys.argv[2]) else 1)' "$WORK" "${PAIR_GAIN:-1.4}" || echo 1)
+      echo "slots: $SLOTS"
+    fi
     export SLOTS
-    echo "slots: $SLOTS"
   fi
   if [ -n "${END_AT:-}" ]; then
     MINUTES=$(( (END_AT - $(date +%s)) / 60 ))
