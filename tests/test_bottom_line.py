@@ -236,7 +236,7 @@ def test_what_fails_names_fa2s_runs_on_each_corpus(lines: list[str]) -> None:
     assert recipe and not any(runaway_step(r) for r in recipe)
     assert (f"it ran away in none of its {len(recipe)} runs at that learning rate (8,000 steps each) and in "
             f"all {len(half)} at half of it ({stopped} of them then exploded)") in lines[0]
-    assert "Of the 20 runs the stop rule ended, 16 were at 32,768 tokens per step." in lines[0]
+    assert "Of the 22 runs the stop rule ended, 18 were at 32,768 tokens per step." in lines[0]
     assert all(r.config.get("deterministic") for r in half + recipe)
     assert load_run(EXPLODE / "lead-s1337" / "fa2-s1337").config.get("deterministic") is None
     assert "which every run of the study used, a seed fixes a run" in lines[3]
@@ -342,7 +342,10 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     assert in_short.growing_heads().hits == (3, 4, 2, 20)
     assert in_short.growing_heads() is in_short.growing_heads(), "the criterion records are read once"
     box = in_short.what_to_change()
-    assert box.startswith("**What to change, in short**") and "0 of 11 runs ran away" in box
+    assert box.startswith("**What to change, in short**") and "0 of 12 runs ran away" in box
+    fp32pv = [load_run(f) for f in sorted((EXPLODE / "survival").glob("fp32pv-s[0-9]"))]
+    went = sum(runaway_step(r) is not None for r in fp32pv)
+    assert went and f"in {went} of {len(fp32pv)} runs of chapter 3's study at 32,768 (`fp32pv`)" in box
 
 
 def test_why_gives_the_primary_tests_interim_counts(lines: list[str]) -> None:

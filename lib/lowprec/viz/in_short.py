@@ -169,6 +169,8 @@ def what_to_change(results: Path = RESULTS) -> str:
     claim(fast_fp32 and all(r.runaway for r in fast_fp32), "attention in fp32 ran away at 4x the rate")
     claim(len(wide_fp32) == 2 and all(r.runaway and r.tokens_per_step == LARGE for r in wide_fp32),
           "an fp32 row sum ran away at the large batch")
+    study_fp32pv = study_groups("survival", results)["fp32pv"]  # an fp32 row sum at the recipe's batch
+    claim(tally(study_fp32pv, "runaway")[0] > 0, "an fp32 row sum ran away in the study")
     trained = {arm: study_groups("survival", results)[arm] for arm in ("fa2", "fa2-consistent")}
     went_both = [sum(bool(r.runaway and r.explosion) for r in group) for group in trained.values()]
     claim(went_both == [0, 1] and [len(group) for group in trained.values()] == [3, 2],
@@ -182,8 +184,9 @@ def what_to_change(results: Path = RESULTS) -> str:
         f"{tally(normed_runs, 'runaway')[0]} of {len(normed_runs)} runs ran away, one seed per placement and "
         "rate (" + ", ".join(f"`{arm}` at {n} rates" for arm, n in per_placement.items())
         + ", from half to four times the recipe's). Attention in fp32 ran away at four times the rate, and "
-        f"an fp32 row sum at {LARGE:,} tokens per step. {len(normed_runs)} runs of one seed each are not a "
-        "rate.\n"
+        f"an fp32 row sum at {LARGE:,} tokens per step and in {tally(study_fp32pv, 'runaway')[0]} of "
+        f"{len(study_fp32pv)} runs of chapter 3's study at {SMALL:,} (`fp32pv`). {len(normed_runs)} runs "
+        "of one seed each are not a rate.\n"
         "- **`consistent` is this library's option**, a custom kernel (our Triton kernel's "
         "`precision=\"consistent\"`), not a setting of those kernels. It removes the production placement's "
         f"rounding bias, but in bf16 training `fa2-consistent` ran away and exploded in {went_both[1]} of "
