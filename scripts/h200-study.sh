@@ -2,8 +2,8 @@
 # The attribution study on a GPU machine (results/explode/survival/queue.json), in phases so that its work
 # outlives one device call:
 #   PHASE=unpack SHARDS=.carry/eN  applies one carried shard folder of the corpus to data/gpt2-english+code
-#                                  (`lowprec data pack --shard-mib 22`, one shard and pack.json per folder: a
-#                                  call's tree may hold 64 MiB and the tracked files take about 41)
+#                                  (`lowprec data pack --shard-mib 16`, one shard and pack.json per folder: a
+#                                  call's tree may hold 64 MiB and the tracked files take about 40, growing)
 #                                  (DATA=data/gpt2-permissive: the lead's corpus, which chapters 3 and 4 re-run on)
 #   PHASE=probe [ARM=model-fp32]   in its own process session, while later shards travel (the GPU idles):
 #                                  (PROBE_TESTS set) pytest -k PROBE_TESTS of tests/test_flash_kernel.py, then
