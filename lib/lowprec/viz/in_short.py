@@ -169,9 +169,10 @@ def what_to_change(results: Path = RESULTS) -> str:
     claim(fast_fp32 and all(r.runaway for r in fast_fp32), "attention in fp32 ran away at 4x the rate")
     claim(len(wide_fp32) == 2 and all(r.runaway and r.tokens_per_step == LARGE for r in wide_fp32),
           "an fp32 row sum ran away at the large batch")
-    study_fp32pv = study_groups("survival", results)["fp32pv"]  # an fp32 row sum at the recipe's batch
+    survival = study_groups("survival", results)
+    study_fp32pv = survival["fp32pv"]  # an fp32 row sum at the recipe's batch
     claim(tally(study_fp32pv, "runaway")[0] > 0, "an fp32 row sum ran away in the study")
-    trained = {arm: study_groups("survival", results)[arm] for arm in ("fa2", "fa2-consistent")}
+    trained = {arm: survival[arm] for arm in ("fa2", "fa2-consistent")}
     went_both = [sum(bool(r.runaway and r.explosion) for r in group) for group in trained.values()]
     claim(went_both == [0, 1] and [len(group) for group in trained.values()] == [3, 2],
           "fa2-consistent: 1 of 2 ran away and exploded, fa2 0 of 3")
