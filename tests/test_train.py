@@ -275,3 +275,32 @@ def test_deterministic_is_on_for_new_runs_and_off_for_older_records(tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
     train(tiny(max_iters=2), tmp_path / "b")
     assert torch.are_deterministic_algorithms_enabled()
+
+
+def test_a_compiled_run_records_its_graph_breaks(tmp_path, monkeypatch, capsys):
+    """The record's "compiled" event: the graphs and graph breaks of the first step (torch.compile with its
+    eager backend here); a break put into the GPT's forward is recorded with its reason and said on stderr."""
+    import functools
+
+    import lowprec.model as model_module
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    cfg = tiny(compile=True, max_iters=2)
+    torch._dynamo.reset()
+    train(cfg, tmp_path / "whole")
+    (event,) = load_run(tmp_path / "whole").events_of("compiled")
+    assert event["step"] == 0 and event["graph_breaks"] == 0 and event["graphs"] >= 1, event
+    assert "torch.compile broke" not in capsys.readouterr().err
+
+    embed = model_module.embed
+
+    def breaking(table: torch.nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return embed(table, idx)
+
+    monkeypatch.setattr(model_module, "embed", breaking)
+    torch._dynamo.reset()
+    train(cfg, tmp_path / "broken")
+    (event,) = load_run(tmp_path / "broken").events_of("compiled")
+    assert event["graph_breaks"] >= 1 and "graph_break()" in event["break_reasons"][0], event
+    assert "torch.compile broke the model's forward" in capsys.readouterr().err

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -135,6 +136,22 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.
                              fused=device.type == "cuda")
 
 
+def dynamo_counts() -> dict[str, Counter]:
+    """A snapshot of Dynamo's per-process counters of compiled graphs and of graph breaks (by reason)."""
+    from torch._dynamo.utils import counters
+
+    return {key: Counter(counters[key]) for key in ("stats", "graph_break")}
+
+
+def compile_report(before: dict[str, Counter]) -> dict:
+    """What torch.compile made since the snapshot `before`: graphs, graph breaks and their first reasons."""
+    now = dynamo_counts()
+    breaks = now["graph_break"] - before["graph_break"]
+    return {"graphs": now["stats"]["unique_graphs"] - before["stats"]["unique_graphs"],
+            "graph_breaks": sum(breaks.values()),
+            "break_reasons": [reason.splitlines()[0][:200] for reason, _ in breaks.most_common(3)]}
+
+
 class StopRequest:
     """Turns the first SIGINT / SIGTERM into a flag checked between steps (a second SIGINT raises at once)."""
 
@@ -219,6 +236,7 @@ class Trainer:
         if init_from is not None:
             self._restore(Path(init_from), load_checkpoint(Path(init_from), STATE_KEYS))
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        self.compiled = use_compile
         self.forward: torch.nn.Module = torch.compile(self.model) if use_compile else self.model
         self.ddp = None
         if self.dist.enabled:  # compile first, then DDP (as nanoGPT)
@@ -525,8 +543,12 @@ class Trainer:
             self.writer.event("nothing_to_do", self.start_step, max_iters=cfg.max_iters)
         try:
             with StopRequest() as stop:
+                before = dynamo_counts() if self.compiled else None  # until the first step has compiled
                 for step in range(self.start_step, cfg.max_iters):
                     entry = self.train_step(step)
+                    if before is not None:
+                        self._report_compile(step, compile_report(before))
+                        before = None
                     self.pending.append(entry)
                     self.completed = next_step = step + 1
                     if self.callback is not None:
@@ -555,6 +577,15 @@ class Trainer:
             if self.bar is not None:
                 self.bar.close()
         return status
+
+    def _report_compile(self, step: int, report: dict) -> None:
+        """The record's "compiled" event; a graph break also said on stderr (it leaves code uncompiled)."""
+        if self.writer is not None:
+            self.writer.event("compiled", step, **report)
+        if report["graph_breaks"] and self.dist.main:
+            print(f"{self.out}: torch.compile broke the model's forward ({report['graph_breaks']} graph "
+                  f"break(s), {report['graphs']} graph(s); first: {report['break_reasons'][0]}): parts of "
+                  "each step run uncompiled", file=sys.stderr)
 
     def _finish(self, status: str) -> dict:
         cfg = self.cfg
