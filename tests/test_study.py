@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +12,7 @@ from lowprec.cli import main as lowprec_main
 from lowprec.instruments import study
 from lowprec.runs import load_run
 
+REPO = Path(__file__).resolve().parents[1]
 RECIPE = ["block_size=32", "n_embd=32", "batch_size=4", "log_interval=1", "telemetry_interval=4",
           "ckpt_interval=0", "eval_interval=0"]
 
@@ -163,3 +166,28 @@ def test_study_spreads_its_slots_over_the_gpus(tmp_path, capsys, monkeypatch):
     assert all(load_run(out / f"model-fp32-s{seed}").summary["steps"] == 12 for seed in (1, 2, 3))
     assert lowprec_main([*args, "--gpus", "3"]) == 2
     assert "--gpus 3: this machine has 2 visible GPU(s); pass 0..2" in capsys.readouterr().err
+
+
+
+def test_broke_graphs_reads_the_compiled_event_else_the_study_log(tmp_path, monkeypatch):
+    """A run compiled in pieces: its "compiled" event's graph breaks, else (a record from before that event)
+    Dynamo's warning in its study log beside it; None without either."""
+    import functools
+
+    import torch
+    from lowprec.configs import get_config
+    from lowprec.train import train
+
+    home = REPO / "results" / "explode" / "survival"
+    assert study.broke_graphs(home / "bf16rowsum-s3") and study.broke_graphs(home / "bf16rowsum-s2") is False
+    old = tmp_path / "old"
+    shutil.copytree(home / "bf16rowsum-s2", old)
+    assert study.broke_graphs(old) is None, "no log beside it"
+    warning = f"step 0\n{study.BREAK_WARNING} `torch._C._is_autocast_available.`\n"
+    (tmp_path / "old.log").write_text(warning)
+    assert study.broke_graphs(old)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    train(get_config("smoke-cpu", [*RECIPE, "max_iters=2", "compile=true"]), tmp_path / "new")
+    (tmp_path / "new.log").write_text(warning)
+    assert study.broke_graphs(tmp_path / "new") is False, "the record's own event decides"

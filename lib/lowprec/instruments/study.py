@@ -37,6 +37,7 @@ from lowprec.instruments.explode import arm_overrides, launch, run_name, signals
 from lowprec.runs import RunRecordError, load_run, provenance, write_json
 
 START_S = 30.0  # a process's start before its first step (imports, data), beside the trainer's own time_s
+BREAK_WARNING = "Dynamo does not know how to trace the builtin"  # its warning at such a graph break (2.11)
 
 
 def load_queue(path: str | Path) -> dict:
@@ -91,6 +92,17 @@ def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
         except ValueError:
             seen = folder
     return ("partial", seen) if seen else ("planned", None)
+
+
+def broke_graphs(folder: Path) -> bool | None:
+    """Whether the run in `folder` was compiled in pieces: its record's "compiled" event counts a graph break,
+    or, in a record from before that event, its log (`<folder>.log`, the study's) has Dynamo's warning of a
+    call it cannot trace; None where there is neither event nor log."""
+    compiled = load_run(folder).events_of("compiled")
+    if compiled:
+        return compiled[0]["graph_breaks"] > 0
+    log = folder.parent / f"{folder.name}.log"
+    return BREAK_WARNING in log.read_text(errors="replace") if log.exists() else None
 
 
 def expected_s(queue: dict, rows: list[dict], device: str) -> dict[str, float]:
