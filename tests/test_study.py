@@ -168,7 +168,6 @@ def test_study_spreads_its_slots_over_the_gpus(tmp_path, capsys, monkeypatch):
     assert "--gpus 3: this machine has 2 visible GPU(s); pass 0..2" in capsys.readouterr().err
 
 
-
 def test_broke_graphs_reads_the_compiled_event_else_the_study_log(tmp_path, monkeypatch):
     """A run compiled in pieces: its "compiled" event's graph breaks, else (a record from before that event)
     Dynamo's warning in its study log beside it; None without either."""

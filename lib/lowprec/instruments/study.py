@@ -95,12 +95,12 @@ def run_state(folders: list[Path], horizon: int) -> tuple[str, Path | None]:
 
 
 def broke_graphs(folder: Path) -> bool | None:
-    """Whether the run in `folder` was compiled in pieces: its record's "compiled" event counts a graph break,
-    or, in a record from before that event, its log (`<folder>.log`, the study's) has Dynamo's warning of a
-    call it cannot trace; None where there is neither event nor log."""
+    """Whether the run in `folder` was compiled in pieces: a "compiled" event of its record (one per process
+    that trained it) counts a graph break, or, in a record from before that event, its log (`<folder>.log`,
+    the study's) has Dynamo's warning of a call it cannot trace; None where there is neither event nor log."""
     compiled = load_run(folder).events_of("compiled")
     if compiled:
-        return compiled[0]["graph_breaks"] > 0
+        return any(event["graph_breaks"] > 0 for event in compiled)
     log = folder.parent / f"{folder.name}.log"
     return BREAK_WARNING in log.read_text(errors="replace") if log.exists() else None
 
