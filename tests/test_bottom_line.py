@@ -357,3 +357,13 @@ def test_why_gives_the_primary_tests_interim_counts(lines: list[str]) -> None:
     a, b = went["bf16rowsum"], went["fp32pv"]
     assert 0 < len(a) < 8 and 0 < len(b) < 8 and any(b)
     assert f"stands at {sum(a)} of {len(a)} against {sum(b)} of {len(b)} (interim, no test yet)" in lines[1]
+
+
+def test_seed_ranges_says_numbers_in_words():
+    from lowprec.viz.bottom_line import seed_ranges
+
+    cases = {(1,): "1", (2, 1): "1 and 2", (3, 4, 5): "3 to 5", (1, 2, 6, 7, 8): "1, 2 and 6 to 8",
+             (6, 2, 3, 4): "2 to 4 and 6"}
+    assert {seeds: seed_ranges(list(seeds)) for seeds in cases} == cases
+    with pytest.raises(ValueError, match="at least one"):
+        seed_ranges([])

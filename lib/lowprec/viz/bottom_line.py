@@ -76,6 +76,22 @@ class RunFacts:
     explosion: int | None
 
 
+def seed_ranges(seeds: list[int]) -> str:
+    """Whole numbers in words, sorted: "1 and 2", "3 to 5", "1, 2 and 6 to 8" (three or more in a row as a
+    range)."""
+    if not seeds:
+        raise ValueError("seed_ranges needs at least one number")
+    parts: list[str] = []
+    row: list[int] = []
+    for n in [*sorted(seeds), None]:
+        if row and (n is None or n != row[-1] + 1):
+            parts += [f"{row[0]} to {row[-1]}"] if len(row) > 2 else [str(k) for k in row]
+            row = []
+        if n is not None:
+            row.append(n)
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def latex(lr: float) -> str:
     """A learning rate as the book writes it: $4 \\cdot 10^{-3}$."""
     mantissa, exponent = f"{lr:e}".split("e")
