@@ -93,12 +93,14 @@ def test_study_asks_a_runs_pace_again_when_one_ends(tmp_path, capsys):
 
 
 def test_expected_times_project_each_pace_to_the_horizon_scaled_to_this_gpu(monkeypatch):
-    """A run the stop rule ended early counts at its pace; a group's runs on another GPU are scaled by how
-    much longer this GPU took for runs of the groups made on both; a group with no done run gets its
-    estimate."""
-    made = {"fa2-a": ("H200", 100.0, 1000), "fa2-b": ("H100", 200.0, 1000), "rowsum-a": ("H200", 50.0, 500)}
+    """A run the stop rule ended early counts at its pace; a group's latest run on this GPU gives its time (a
+    change of code shows in it); a group made only elsewhere is scaled by how much longer this GPU took, in
+    its latest run, for the groups made on both; a group with no done run gets its estimate."""
+    made = {"fa2-a": ("H200", "12:00", 100.0, 1000), "fa2-b": ("H100", "13:00", 200.0, 1000),
+            "rowsum-a": ("H200", "12:00", 50.0, 500)}
     monkeypatch.setattr(study, "load_run", lambda name: SimpleNamespace(
-        provenance={"device": made[name][0]}, summary={"time_s": made[name][1], "steps": made[name][2]}))
+        provenance={"device": made[name][0], "time": made[name][1]},
+        summary={"time_s": made[name][2], "steps": made[name][3]}))
     rows = [{"name": name, "group": name.split("-")[0], "arm": name.split("-")[0], "state": "done",
              "folder": name} for name in made]
     rows.append({"name": "paper-a", "group": "paper", "arm": "paper", "state": "planned", "folder": None})
@@ -108,6 +110,13 @@ def test_expected_times_project_each_pace_to_the_horizon_scaled_to_this_gpu(monk
     assert found["rowsum-a"] == pytest.approx(h200 * h100 / h200) and found["paper-a"] == 300.0
     assert found["fa2-a"] == pytest.approx(h100)
     assert study.expected_s(queue, rows, "H200")["rowsum-a"] == pytest.approx(h200)
+    # a later fa2 run on the H100 at 0.12 s a step (new code, say): fa2's time and the H100's scale follow it
+    made["fa2-c"] = ("H100", "14:00", 120.0, 1000)
+    rows.insert(0, {**rows[0], "name": "fa2-c", "folder": "fa2-c"})
+    latest = 0.12 * 8000 + study.START_S
+    found = study.expected_s(queue, rows, "H100")
+    assert found["fa2-a"] == pytest.approx(latest)
+    assert found["rowsum-a"] == pytest.approx(h200 * latest / h200), "rowsum's H200 pace times the new scale"
 
 
 def test_study_stops_starting_runs_when_one_ends_without_an_outcome(tmp_path, capsys):

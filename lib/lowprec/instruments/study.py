@@ -106,29 +106,32 @@ def broke_graphs(folder: Path) -> bool | None:
 
 
 def expected_s(queue: dict, rows: list[dict], device: str) -> dict[str, float]:
-    """Seconds each run of `rows` (`states`; by name) is expected to take alone on `device`: the median of
-    its group's done runs' times projected to the horizon (seconds per step x horizon + START_S: a run the
-    stop rule ended counts at its pace), a run made on another device scaled by how much longer `device`
-    took for the same groups (the median ratio over its runs; 1 where no group has runs on both); at least
-    the queue's estimate for the group (or its arm)."""
-    made: dict[str, list[tuple[bool, float]]] = {}  # group -> (made on `device`, projected seconds) per run
+    """Seconds each run of `rows` (`states`; by name) is expected to take alone on `device`: its group's done
+    runs' times projected to the horizon (seconds per step x horizon + START_S: a run the stop rule ended
+    counts at its pace): the latest run made on `device` (by start time: its pace now, after any change of
+    code), else the median of the group's runs elsewhere scaled by how much longer `device` took for the
+    groups made on both (the median over them of the latest run here over the median elsewhere; 1 where no
+    group has runs on both); at least the queue's estimate for the group (or its arm)."""
+    here: dict[str, tuple[str, float]] = {}  # group -> (start time, projected seconds) of its latest run here
+    elsewhere: dict[str, list[float]] = {}  # group -> projected seconds of its runs on other devices
     for r in rows:
         if r["state"] == "done":
             run = load_run(r["folder"])
-            pace = run.summary["time_s"] / max(run.summary["steps"], 1)
-            made.setdefault(r["group"], []).append((run.provenance.get("device") == device,
-                                                    pace * queue["horizon"] + START_S))
-    ratios = []  # this device's runs over the median of their group's runs elsewhere
-    for runs in made.values():
-        elsewhere = [t for here, t in runs if not here]
-        if elsewhere:
-            ratios += [t / statistics.median(elsewhere) for here, t in runs if here]
+            seconds = run.summary["time_s"] / max(run.summary["steps"], 1) * queue["horizon"] + START_S
+            group, when = r["group"], run.provenance.get("time", "")
+            if run.provenance.get("device") == device:
+                here[group] = max(here.get(group, ("", 0.0)), (when, seconds))
+            else:
+                elsewhere.setdefault(group, []).append(seconds)
+    ratios = [here[g][1] / statistics.median(times) for g, times in elsewhere.items() if g in here]
     factor = statistics.median(ratios) if ratios else 1.0
     out = {}
     for r in rows:
-        times = [t if here else t * factor for here, t in made.get(r["group"], [])]
-        estimate = queue["estimate_s"].get(r["group"], queue["estimate_s"].get(r["arm"]))
-        out[r["name"]] = max(estimate, statistics.median(times) if times else 0.0)
+        group = r["group"]
+        seconds = (here[group][1] if group in here
+                   else statistics.median(elsewhere[group]) * factor if group in elsewhere else 0.0)
+        estimate = queue["estimate_s"].get(group, queue["estimate_s"].get(r["arm"]))
+        out[r["name"]] = max(estimate, seconds)
     return out
 
 
