@@ -50,6 +50,7 @@ def test_study_makes_every_planned_run_once_and_reports(tmp_path, capsys):
     assert line.split()[:4] == ["model-fp32-lr1e-2-s2", "done", "runaway", "-"]
     assert f"final loss {run.summary['final_loss']:5.2f}" in line and line.endswith(str(out / run.path.name))
     assert any(line.split()[:2] == ["model-fp32", "1"] and "0/1" in line for line in report.splitlines())
+    assert "in pieces" not in report, "runs on the CPU are not compiled"
     assert any(line.split()[:2] == ["model-fp32-lr1e-2", "1"] for line in report.splitlines())
 
 
@@ -199,3 +200,6 @@ def test_broke_graphs_reads_the_compiled_event_else_the_study_log(tmp_path, monk
     train(get_config("smoke-cpu", [*RECIPE, "max_iters=2", "compile=true"]), tmp_path / "new")
     (tmp_path / "new.log").write_text(warning)
     assert study.broke_graphs(tmp_path / "new") is False, "the record's own event decides"
+    report = study.status(study.load_queue(home / "queue.json"), home, None)
+    lines = {line.split()[0]: line for line in report.splitlines() if line.strip()}
+    assert "in pieces" in lines["bf16rowsum-s3"] and "in pieces" not in lines["bf16rowsum-s2"], "--status"

@@ -146,8 +146,8 @@ def states(queue: dict, home: Path, out: Path | None) -> list[dict]:
 
 
 def status(queue: dict, home: Path, out: Path | None) -> str:
-    """A line per queued run (a done run's runaway step, largest logit and final loss), then per group the
-    runaway and explosion counts of the done runs."""
+    """A line per queued run (a done run's runaway step, largest logit, final loss, and "in pieces" where it
+    was compiled so: `broke_graphs`), then per group the runaway and explosion counts of the done runs."""
     lines, done = [], {}
     for r in states(queue, home, out):
         found = ""
@@ -156,8 +156,9 @@ def status(queue: dict, home: Path, out: Path | None) -> str:
             result = outcome(run, queue["horizon"])
             done.setdefault(r["group"], []).append(result)
             found = (f"runaway {'-' if result.runaway is None else result.runaway:>6}  largest logit "
-                     f"{largest_logit(run):>9,.0f}  final loss {run.summary['final_loss']:5.2f}")
-        lines.append(f"{r['name']:<28} {r['state']:<8} {found:<54} {r['folder'] or ''}".rstrip())
+                     f"{largest_logit(run):>9,.0f}  final loss {run.summary['final_loss']:5.2f}"
+                     + ("  in pieces" if broke_graphs(r["folder"]) else ""))
+        lines.append(f"{r['name']:<28} {r['state']:<8} {found:<65} {r['folder'] or ''}".rstrip())
     table = survival_table(done, against=("fa2", "model-fp32"))
     lines.append(f"\n{'group':<22} {'runs':>4}  runaway (95% CI)        explosion (95% CI)       first layer")
     for name, row in table.items():
