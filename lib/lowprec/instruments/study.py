@@ -127,9 +127,11 @@ def expected_s(queue: dict, rows: list[dict], device: str) -> dict[str, float]:
     factor = statistics.median(ratios) if ratios else 1.0
     out = {}
     for r in rows:
-        group = r["group"]
-        seconds = (here[group][1] if group in here
-                   else statistics.median(elsewhere[group]) * factor if group in elsewhere else 0.0)
+        group, seconds = r["group"], 0.0
+        if group in here:
+            seconds = here[group][1]
+        elif group in elsewhere:
+            seconds = statistics.median(elsewhere[group]) * factor
         estimate = queue["estimate_s"].get(group, queue["estimate_s"].get(r["arm"]))
         out[r["name"]] = max(estimate, seconds)
     return out
