@@ -472,3 +472,23 @@ def test_autocast_qkv_casts_as_sdpas_inputs_are_cast():
         assert [t.dtype for t in autocast_qkv(q, k, v)] == [torch.bfloat16, torch.bfloat16, torch.float64]
         meta = torch.empty(1, 1, 2, 4, device="meta")
         assert autocast_qkv(meta, meta, meta) == (meta, meta, meta)
+
+
+def test_autocast_qkv_compiles_in_one_graph_where_the_availability_check_cannot_be_traced(monkeypatch):
+    """torch 2.11's Dynamo cannot trace `torch._C._is_autocast_available`, and a graph break there, inside the
+    GPT's loop over its blocks, is a break in every training step. Stood in for here by a check that breaks
+    the graph: compiled with fullgraph=True, autocast_qkv must not call it, and still casts as it does
+    eagerly."""
+    from lowprec.attention.reference import autocast_qkv
+
+    def untraceable(device_type: str) -> bool:
+        torch._dynamo.graph_break()
+        return True
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q: autocast_qkv(q, q, q)[0] * 2, fullgraph=True, backend="eager")
+    q = torch.ones(1, 1, 2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compiled(q).dtype == torch.bfloat16
+    assert compiled(q).dtype == torch.float32

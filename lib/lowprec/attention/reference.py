@@ -22,7 +22,9 @@ def autocast_qkv(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors (q, k, v, or some of them) in autocast's dtype where autocast is on for the first one's
     device, as torch casts SDPA's inputs (floating tensors other than float64); unchanged otherwise."""
     device = tensors[0].device.type if isinstance(tensors[0], torch.Tensor) else None  # else check_qkv says
-    if not (device and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+    # compiled tensors are on real devices; torch 2.11's Dynamo cannot trace the availability check (a break)
+    known = (torch.compiler.is_compiling() or torch.amp.is_autocast_available(device)) if device else False
+    if not (known and torch.is_autocast_enabled(device)):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
