@@ -34,7 +34,9 @@
 #                                  $OUT/probe.tgz
 #   PHASE=take PACK=<queue>.tgz    here, not on the GPU machine: copies a pack's done runs (an outcome at the
 #                                  queue's horizon, `study.run_state`) and study logs into INTO/<queue folder>
-#                                  (default results/explode, which holds queue.json), metrics gzipped
+#                                  (default results/explode, which holds queue.json), metrics gzipped; a run
+#                                  whose library is not what its named commit holds (`runs.code_matches`)
+#                                  is left out
 # QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues; a queue's
 # records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
@@ -168,12 +170,20 @@ take)
 import sys
 from pathlib import Path
 from lowprec.instruments import study
+from lowprec.runs import code_matches, load_record
 horizon = study.load_queue(sys.argv[2])["horizon"]
 for run in sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_dir()):
-    print(run.name, study.run_state([run], horizon)[0])
-' "$queue" "$into/$name/queue.json" | while read -r run_name state; do
+    state = study.run_state([run], horizon)[0]
+    prov = load_record(run, ("provenance",))["provenance"] if state == "done" else {}
+    print(run.name, state, code_matches(prov, Path.cwd()), prov.get("git_commit"))  # cwd: this repository
+' "$queue" "$into/$name/queue.json" | while read -r run_name state same commit; do
       if [ "$state" != done ]; then
         echo "$name/$run_name: no outcome at the horizon (still running when packed, or stopped), left out"
+        continue
+      fi
+      if [ "$same" = False ]; then
+        echo "$name/$run_name: its library is not what its commit $commit holds (LOWPREC_GIT_COMMIT named" \
+          "another commit than the tree sent), left out" >&2
         continue
       fi
       rm -rf "${into:?}/$name/$run_name"

@@ -1,6 +1,6 @@
 """scripts/h200-study.sh on the CPU with tiny queues: go over two queues (the first capped by FIRST, a probe's
 estimate passed to the queue with its arm), wait within CALL_START's limit, a pack per queue, and a pack taken
-back into a results folder (finished runs only)."""
+back into a results folder (finished runs only, each made by the library its commit holds)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,22 @@ def queue(folder: Path, runs: list[dict], estimates: dict[str, float]) -> Path:
     return folder / "queue.json"
 
 
+def library_repo(folder: Path, changed: bool = False) -> Path:
+    """A git repository whose tag `the-commit-sent` holds this library's Python sources (one changed)."""
+    for source in (ROOT / "lib" / "lowprec").rglob("*.py"):
+        if "__pycache__" not in source.parts:
+            target = folder / source.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    if changed:
+        with open(folder / "lib" / "lowprec" / "model.py", "a") as handle:
+            handle.write("# changed\n")
+    git = ["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "library"], ["tag", "the-commit-sent"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    return folder
+
+
 def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     cell = {"arm": "attn-fp32", "seed": 1, "tag": "lr8e-3", "overrides": ["lr=8e-3"]}
     first = queue(tmp_path / "grid", [cell], {"attn-fp32": 5})
@@ -39,7 +55,9 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     env = {**os.environ, "WORK": str(work), "OUT": str(out), "QUEUE": f"{first} {second}",
            "PYTHONPATH": str(ROOT / "lib"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
-    go = subprocess.run(script, env={**env, "PHASE": "go", "MINUTES": "4", "FIRST": "1"}, cwd=ROOT,
+    # the runs name a commit by a tag that two repositories give different libraries (below, the take)
+    go = subprocess.run(script, env={**env, "PHASE": "go", "MINUTES": "4", "FIRST": "1",
+                                     "LOWPREC_GIT_COMMIT": "the-commit-sent"}, cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
     assert go.returncode == 0 and "probe: --estimate model-fp32=70" in go.stdout
     assert "probe tests: 3 passed, 95 deselected in 27.75s" in go.stdout  # seen before the study starts
@@ -65,7 +83,12 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     (into / "grid").mkdir(parents=True)
     (into / "grid" / "queue.json").write_text(first.read_text())  # a queue's folder holds its queue
     taking = {**env, "PHASE": "take", "PACK": str(out / "grid.tgz"), "INTO": str(into)}
-    take = subprocess.run(script, env=taking, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    other = library_repo(tmp_path / "other", changed=True)  # its tag holds a library unlike the one that ran
+    take = subprocess.run(script, env=taking, cwd=other, capture_output=True, text=True, timeout=60)
+    assert take.returncode == 0 and not (into / "grid" / "attn-fp32-lr8e-3-s1").exists()
+    assert "grid/attn-fp32-lr8e-3-s1: its library is not what its commit the-commit-sent holds" in take.stderr
+    take = subprocess.run(script, env=taking, cwd=library_repo(tmp_path / "same"), capture_output=True,
+                          text=True, timeout=60)
     assert take.returncode == 0, take.stderr
     kept = into / "grid" / "attn-fp32-lr8e-3-s1"
     assert (kept / "metrics.jsonl.gz").is_file() and not (kept / "metrics.jsonl").exists()

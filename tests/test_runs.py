@@ -13,6 +13,10 @@ from lowprec.runs import (
     RunLockedError,
     RunRecordError,
     RunWriter,
+    code_matches,
+    library_files,
+    library_files_at,
+    library_sha256,
     list_runs,
     load_run,
     provenance,
@@ -194,6 +198,32 @@ def test_launcher_commit_wins_over_the_copy_s_git(monkeypatch):
     assert prov["git_commit"] == "0123abcd" * 5 and prov["git_dirty"] is False
     monkeypatch.setenv("LOWPREC_GIT_DIRTY", "1")
     assert provenance(["x"])["git_dirty"] is True
+
+
+def test_code_matches_says_whether_a_record_ran_the_library_its_commit_holds(tmp_path):
+    """A record names its commit and holds its library's digest: the two agree, disagree (the tree sent was
+    not that commit's), or cannot be compared (no digest, uncommitted changes, a commit git lacks)."""
+    repo = tmp_path / "repo"
+    (repo / "lib" / "lowprec" / "attention").mkdir(parents=True)
+    (repo / "lib" / "lowprec" / "model.py").write_text("x = 1\n")
+    (repo / "lib" / "lowprec" / "attention" / "kernel.py").write_text("y = 2\n")
+    (repo / "lib" / "lowprec" / "README.md").write_text("not code\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "one"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    package = repo / "lib" / "lowprec"
+    files = library_files(package)
+    assert sorted(files) == ["attention/kernel.py", "model.py"] and files == library_files_at(commit, repo)
+    prov = {"git_commit": commit, "git_dirty": False, "library_sha256": library_sha256(files)}
+    assert code_matches(prov, repo) is True
+    (repo / "lib" / "lowprec" / "model.py").write_text("x = 3\n")  # the tree sent, not the commit named
+    assert code_matches({**prov, "library_sha256": library_sha256(library_files(package))}, repo) is False
+    assert library_sha256({"a.py": b"b.py"}) != library_sha256({"a.pyb.py": b""}), "paths and bytes apart"
+    for unknown in ({**prov, "library_sha256": None}, {**prov, "git_dirty": True},
+                    {**prov, "git_commit": "f" * 40}):
+        assert code_matches(unknown, repo) is None
+    assert provenance(["x"])["library_sha256"] == library_sha256(library_files()), "each record holds its own"
 
 
 HOLD = """

@@ -39,6 +39,8 @@ EVENT_KEYS = ("event", "step")
 FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
 LOCK = "writer.lock"
 REPO = Path(__file__).resolve().parents[2]
+LIBRARY = "lib/lowprec"  # the package's folder in REPO: its Python sources are a record's code
+PACKAGE = Path(__file__).resolve().parent  # that folder here
 RUN_CACHE = "LOWPREC_RUN_CACHE"  # a folder where loaded runs are kept for other processes (unset: none)
 
 
@@ -56,6 +58,51 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def library_files(root: Path = PACKAGE) -> dict[str, bytes]:
+    """The library's Python sources on disk (path under the package's folder `root` -> bytes)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*.py")
+            if "__pycache__" not in p.parts}
+
+
+def library_files_at(commit: str, repo: Path = REPO) -> dict[str, bytes] | None:
+    """The library's Python sources as `commit` holds them (None: git does not know the commit)."""
+    def git(*args: str) -> bytes | None:
+        try:
+            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    names = git("ls-tree", "-r", "--name-only", "-z", commit, "--", LIBRARY)
+    if names is None:
+        return None
+    files = {}
+    for name in filter(None, names.decode().split("\0")):
+        if name.endswith(".py"):
+            data = git("show", f"{commit}:{name}")
+            if data is None:
+                return None
+            files[name.removeprefix(f"{LIBRARY}/")] = data
+    return files
+
+
+def library_sha256(files: dict[str, bytes]) -> str:
+    """sha256 of the library's Python sources (`library_files`, `library_files_at`): paths and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(f"{name}\0{len(files[name])}\0".encode() + files[name])
+    return digest.hexdigest()
+
+
+def code_matches(prov: dict, repo: Path = REPO) -> bool | None:
+    """Whether a record's library (its provenance's `library_sha256`) is the one its `git_commit` holds; None
+    where it cannot say (a record without the digest, one made with uncommitted changes, a commit unknown)."""
+    if not prov.get("library_sha256") or prov.get("git_dirty") or not prov.get("git_commit"):
+        return None
+    files = library_files_at(prov["git_commit"], repo)
+    return None if files is None else library_sha256(files) == prov["library_sha256"]
 
 
 def _version(package: str) -> str | None:
@@ -96,6 +143,7 @@ def provenance(command: list[str] | None = None) -> dict:
     prov = {
         "git_commit": commit,
         "git_dirty": dirty,
+        "library_sha256": library_sha256(library_files()),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "triton": _version("triton"),
