@@ -16,6 +16,7 @@ import gc
 import gzip
 import hashlib
 import importlib.metadata
+import io
 import json
 import math
 import os
@@ -23,6 +24,7 @@ import pickle
 import platform
 import subprocess
 import sys
+import tarfile
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -40,7 +42,7 @@ FILES = ("config.json", "metrics.jsonl", "events.jsonl", "summary.json")
 LOCK = "writer.lock"
 REPO = Path(__file__).resolve().parents[2]
 LIBRARY = "lib/lowprec"  # the package's folder in REPO: its Python sources are a record's code
-PACKAGE = Path(__file__).resolve().parent  # that folder here
+PACKAGE = REPO / LIBRARY  # that folder here
 RUN_CACHE = "LOWPREC_RUN_CACHE"  # a folder where loaded runs are kept for other processes (unset: none)
 
 
@@ -52,12 +54,18 @@ class RunLockedError(ValueError):
     """Another live process writes the run folder (the message names it)."""
 
 
-def _git(*args: str) -> str | None:
+def _git_output(repo: Path, *args: str, timeout: float = 10) -> bytes | None:
+    """What `git -C repo args` printed (None: git is missing, failed or took over `timeout` seconds)."""
     try:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _git(*args: str) -> str | None:
+    out = _git_output(REPO, *args)
+    return None if out is None else out.decode().strip()
 
 
 def library_files(root: Path = PACKAGE) -> dict[str, bytes]:
@@ -68,24 +76,12 @@ def library_files(root: Path = PACKAGE) -> dict[str, bytes]:
 
 def library_files_at(commit: str, repo: Path = REPO) -> dict[str, bytes] | None:
     """The library's Python sources as `commit` holds them (None: git does not know the commit)."""
-    def git(*args: str) -> bytes | None:
-        try:
-            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout if out.returncode == 0 else None
-
-    names = git("ls-tree", "-r", "--name-only", "-z", commit, "--", LIBRARY)
-    if names is None:
+    archive = _git_output(repo, "archive", "--format=tar", commit, "--", LIBRARY, timeout=30)
+    if archive is None:
         return None
-    files = {}
-    for name in filter(None, names.decode().split("\0")):
-        if name.endswith(".py"):
-            data = git("show", f"{commit}:{name}")
-            if data is None:
-                return None
-            files[name.removeprefix(f"{LIBRARY}/")] = data
-    return files
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        return {member.name.removeprefix(f"{LIBRARY}/"): tar.extractfile(member).read() for member in tar
+                if member.isfile() and member.name.endswith(".py")}
 
 
 def library_sha256(files: dict[str, bytes]) -> str:
