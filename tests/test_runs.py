@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from lowprec.runs import (
@@ -24,6 +25,7 @@ from lowprec.runs import (
     run_state,
 )
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 CONFIG = {"name": "t", "lr": 1e-3, "model": {"n_layer": 2}}
 
 
@@ -96,6 +98,22 @@ def test_an_unchanged_run_is_read_once_per_process(tmp_path):
     w.update_summary(status="finished", steps=6)
     w.close()
     assert load_run(tmp_path).summary["status"] == "finished" and load_run(tmp_path) is load_run(tmp_path)
+
+
+def test_every_committed_record_fits_the_processs_cache(monkeypatch):
+    """A page that reads every committed record twice (the bottom line does) parses each once: the cache of
+    read runs holds them all (one smaller than their number misses on every pass, as a scan evicts each run
+    just before it is read again)."""
+    import lowprec.runs as runs
+
+    monkeypatch.delenv("LOWPREC_RUN_CACHE", raising=False)
+    folders = [Path(r["path"]) for r in list_runs(RESULTS)]
+    assert len(folders) > 128  # more than the cache once held
+    runs._read_run.cache_clear()
+    for _ in range(2):
+        for folder in folders:
+            load_run(folder)
+    assert runs._read_run.cache_info().misses == len(folders)
 
 
 def test_a_run_kept_by_one_process_is_read_by_the_next(tmp_path, monkeypatch):
