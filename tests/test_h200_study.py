@@ -12,6 +12,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from lowprec.runs import LIBRARY, library_files
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["block_size=32", "n_embd=32", "batch_size=4", "log_interval=1", "telemetry_interval=4",
           "ckpt_interval=0", "eval_interval=0"]
@@ -26,11 +28,10 @@ def queue(folder: Path, runs: list[dict], estimates: dict[str, float]) -> Path:
 
 def library_repo(folder: Path, changed: bool = False) -> Path:
     """A git repository whose tag `the-commit-sent` holds this library's Python sources (one changed)."""
-    for source in (ROOT / "lib" / "lowprec").rglob("*.py"):
-        if "__pycache__" not in source.parts:
-            target = folder / source.relative_to(ROOT)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
+    for name, source in library_files().items():
+        target = folder / LIBRARY / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source)
     if changed:
         with open(folder / "lib" / "lowprec" / "model.py", "a") as handle:
             handle.write("# changed\n")

@@ -101,9 +101,9 @@ def test_an_unchanged_run_is_read_once_per_process(tmp_path):
 
 
 def test_every_committed_record_fits_the_processs_cache(monkeypatch):
-    """A page that reads every committed record twice (the bottom line does) gets the same Runs the second
-    time, none parsed again (a cache smaller than their number misses on every pass, as a scan evicts each run
-    just before it is read again)."""
+    """A process that reads every committed record twice (test_bottom_line builds the bottom line several
+    times) gets the same Runs the second time, none parsed again (a cache smaller than their number misses on
+    every pass, as a scan evicts each run just before it is read again)."""
     monkeypatch.delenv("LOWPREC_RUN_CACHE", raising=False)
     folders = [Path(r["path"]) for r in list_runs(RESULTS)]
     assert len(folders) > 128  # more than the cache once held

@@ -649,7 +649,7 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-@functools.lru_cache(maxsize=1024)  # a page reads each of the ~150 committed records several times: a
+@functools.lru_cache(maxsize=1024)  # a process may read all ~150 committed records several times: a
 # cache smaller than their number evicts each run just before it is read again
 def _read_run(path: Path, stamp: tuple) -> Run:
     """The Run in `path` (read afresh for each new `stamp` of its files): from $LOWPREC_RUN_CACHE where
