@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import statistics
@@ -236,7 +237,7 @@ def test_what_fails_names_fa2s_runs_on_each_corpus(lines: list[str]) -> None:
     assert recipe and not any(runaway_step(r) for r in recipe)
     assert (f"it ran away in none of its {len(recipe)} runs at that learning rate (8,000 steps each) and in "
             f"all {len(half)} at half of it ({stopped} of them then exploded)") in lines[0]
-    assert "Of the 23 runs the stop rule ended, 19 were at 32,768 tokens per step." in lines[0]
+    assert "Of the 24 runs the stop rule ended, 20 were at 32,768 tokens per step." in lines[0]
     assert all(r.config.get("deterministic") for r in half + recipe)
     assert load_run(EXPLODE / "lead-s1337" / "fa2-s1337").config.get("deterministic") is None
     assert "which every run of the study used, a seed fixes a run" in lines[3]
@@ -249,7 +250,10 @@ def test_lr_finding_against_the_folders() -> None:
           for rate in ("8e-3", "4e-3", "1e-3")}
     went = {rate: [f.name for f in folders if runaway_step(load_run(f)) is not None]
             for rate, folders in at.items()}
-    assert f"({len(at['8e-3'])} of {len(at['8e-3'])} runs, one seed)" in text
+    seeds_at_high = sorted({sum(f.name.startswith(f"{arm}-lr") for f in at["8e-3"])
+                            for arm in ("fa2", "paper64", "attn-fp32")})
+    assert went["8e-3"] and len(went["8e-3"]) == len(at["8e-3"]) and seeds_at_high == [1, 2]
+    assert f"({len(at['8e-3'])} of {len(at['8e-3'])} runs, 1 or 2 seeds per placement)" in text
     assert f"{len(went['4e-3'])} of {len(at['4e-3'])} did" in text and went["4e-3"] == ["paper64-lr4e-3-s1"]
     seeds = sorted({int(f.name.rsplit("-s", 1)[1]) for f in at["1e-3"]})
     assert seeds == [1, 2, 3, 4]
@@ -263,18 +267,18 @@ def test_lr_finding_against_the_folders() -> None:
     assert "8 of 8 against 0 of 5 gives p = 0.00078" in text  # 1/1287: the one table as extreme
     # seed 1: the two runs without a runaway are the two without bf16 in attention (1 in 6); seeds 2-4: 1/3
     assert "the exact test within seeds (the same contrast, seed by seed) gives p = 0.0062" in text
-    recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2, 3)]
-    assert recipe == [None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
+    recipe = [runaway_step(load_run(EXPLODE / "survival" / f"fa2-s{seed}")) for seed in (1, 2, 3, 4)]
+    assert recipe == [None, None, None, None] and "fa2-lr4e-3-s1" not in went["4e-3"]
     assert "A lower rate did not prevent it" in text and "`fa2` ran away in 4 of 4 runs" in text
-    assert "in 0 of 5 at the recipe's rate" in text and "p = 0.0079" in text  # 1/126
-    assert "within seeds p = 0.056" in text  # seeds 1 and 2: 1/3 each, seed 3: 1/2, seed 4 (1e-3 only): 1
+    assert "in 0 of 6 at the recipe's rate" in text and "p = 0.0048" in text  # 1/210
+    assert "within seeds p = 0.028" in text  # seeds 1 and 2 (4e-3 too): 1/3 each, seeds 3 and 4: 1/2 each
     onset = {f.name: runaway_step(load_run(f)) for f in at["1e-3"]}
     assert all(onset[f"paper64-lr1e-3-s{s}"] < onset[f"fa2-lr1e-3-s{s}"] for s in seeds)
     assert f"before `fa2` in each of the {len(seeds)} seeds at half the rate" in text
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
     assert text in bottom_line()
-    assert "none with attention in fp32, nor the one run with no bf16 anywhere; which" in bottom_line()
+    assert "none with attention in fp32, nor the one run with no bf16 anywhere; rounding" in bottom_line()
     pairs = twins()
     assert pairs and all(a.seed == b.seed and a.arm == b.arm and a.lr == b.lr for a, b in pairs)
     assert {b.name for _, b in pairs} <= {f"lr-qknorm/{f.name}" for f in normed}
@@ -305,7 +309,7 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
 
     plain = with_cells({})
     assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.002;" in plain
-    assert "every run with bf16 attention ran away and none with attention in fp32; which" in bottom_line()
+    assert "every run with bf16 attention ran away and none with attention in fp32; rounding" in bottom_line()
     control = [dataclasses.replace(r, arm="model-fp32") for r in fp32[:2]]  # two runs that did not run away
     counted = with_cells({("model-fp32", 0.001, False): control})
     peak = max(largest_logit(explode_records()[r.name]) for r in control)
@@ -314,7 +318,8 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
             f"p = {1 / 3003:.2g};") in counted  # the pre-registered 1/3003
     assert len({r.seed for r in control}) == 2  # two seeds of 2 of 2 against 0 of 2 (1/6 each), two of 0 of 1
     assert f"within seeds (the same contrast, seed by seed) gives p = {1 / 324:.2g}:" in counted
-    assert "none with attention in fp32, nor any of the 2 runs with no bf16 anywhere; which" in bottom_line()
+    assert "none with attention in fp32, nor any of the 2 runs with no bf16 anywhere; rounding" in \
+        bottom_line()
     went = [dataclasses.replace(control[0], runaway=1000), control[1]]
     with pytest.raises(StaleClaim, match="no run without bf16 anywhere .model-fp32. ran away"):
         with_cells({("model-fp32", 0.001, False): went})
@@ -348,15 +353,21 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     assert went and f"in {went} of {len(fp32pv)} runs of chapter 3's study at 32,768 (`fp32pv`)" in box
 
 
-def test_why_gives_the_primary_tests_interim_counts(lines: list[str]) -> None:
-    """The survival study's primary test (bf16rowsum against fp32pv on the larger corpus), read folder by
-    folder, interim until each arm has its planned seeds."""
+def test_why_gives_the_primary_tests_result(lines: list[str]) -> None:
+    """The survival study's primary test (bf16rowsum against fp32pv on the larger corpus, 8 seeds each), read
+    folder by folder, with Fisher's two-sided exact p computed here from the hypergeometric table."""
     went = {arm: [runaway_step(load_run(f)) is not None
                   for f in sorted((EXPLODE / "survival").glob(f"{arm}-s[0-9]")) if f.is_dir()]
             for arm in ("bf16rowsum", "fp32pv")}
     a, b = went["bf16rowsum"], went["fp32pv"]
-    assert 0 < len(a) < 8 and 0 < len(b) < 8 and any(b)
-    assert f"stands at {sum(a)} of {len(a)} against {sum(b)} of {len(b)} (interim, no test yet)" in lines[1]
+    assert len(a) == len(b) == 8 and any(b)
+    k, n = sum(a) + sum(b), len(a) + len(b)  # runaways in all; runs in all
+    table = {x: math.comb(len(a), x) * math.comb(len(b), k - x) / math.comb(n, k)
+             for x in range(max(0, k - len(b)), min(k, len(a)) + 1)}
+    p = sum(q for q in table.values() if q <= table[sum(a)] * (1 + 1e-7))
+    assert p < 0.05
+    assert (f"found {sum(a)} of {len(a)} against {sum(b)} of {len(b)} (Fisher's exact test, two-sided, "
+            f"p = {p:.2g};") in lines[1]
 
 
 def test_seed_ranges_says_numbers_in_words():

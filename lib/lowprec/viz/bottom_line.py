@@ -339,6 +339,7 @@ def lr_finding(results: Path = RESULTS) -> str:
                          for lr in ("8e-3", "4e-3", "1e-3"))
     claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
           "every placement ran away at 8e-3, attention in fp32 included")
+    per_placement = sorted({sum(r.arm == arm for r in high) for arm in GRID_PLACEMENTS})  # seeds at 8e-3
     went = [r for r in twice if r.runaway is not None]
     claim([r.arm for r in went] == ["paper64"] and len({r.seed for r in twice}) == 2,
           "at 4e-3 (two seeds) only paper64 ran away, once")
@@ -406,7 +407,8 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs), and before "
         f"`fa2` in each of the {len(seeds)} seeds at half the rate (its row sum and scores in bf16 too). "
         f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, "
-        f"every placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, one seed); "
+        f"every placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, "
+        f"{' or '.join(map(str, per_placement))} seeds per placement); "
         f"at {latex(4e-3)} {len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step "
         f"{went[0].runaway:,}), while every run's largest logit climbed (to "
         f"{min(peak[r.name] for r in twice):,.0f}-{max(peak[r.name] for r in twice):,.0f}) and fell back. "
@@ -511,8 +513,11 @@ def bottom_line(results: Path = RESULTS) -> str:
     per_arm = max(planned.values())
     study_ell = [study_arms.get(arm, []) for arm in ("bf16rowsum", "fp32pv")]
     ell_seeds = {planned[arm] for arm in ("bf16rowsum", "fp32pv")}
-    claim(len(ell_seeds) == 1 and all(len(group) < min(ell_seeds) for group in study_ell)
-          and tally(study_ell[1], "runaway")[0] > 0, "the primary test is interim, and fp32pv ran away in it")
+    claim(len(ell_seeds) == 1 and all(len(group) == min(ell_seeds) for group in study_ell)
+          and tally(study_ell[1], "runaway")[0] > 0, "the primary test is made, and fp32pv ran away in it")
+    test_p = fisher_p(*tally(study_ell[0], "runaway"), *tally(study_ell[1], "runaway"))
+    test_p_seeds = stratified_p(by_seed(*study_ell))
+    claim(test_p < 0.05, "the primary test: bf16rowsum runs away more often than fp32pv, p below 0.05")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
     control = len(half_rate(results).control)
     nor = {0: "", 1: ", nor the one run with no bf16 anywhere"}.get(
@@ -534,8 +539,10 @@ def bottom_line(results: Path = RESULTS) -> str:
     why = (
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "
-        "none with attention in fp32" + nor + "; which bf16 rounding point starts the production placement's "
-        "runaways is open. In full: " + finding + " Which rounding point, at the recipe's rate: "
+        "none with attention in fp32" + nor + "; rounding the row sum $\\ell$ to bf16 made runaways more "
+        "likely (the study's registered test); which bf16 rounding point starts the production placement's "
+        "runaways (its $\\ell$ is fp32) is open. In full: " + finding
+        + " Which rounding point, at the recipe's rate: "
         f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
         f"{rate(*tally(nopv, 'runaway'), 'seeds')} still ran away. More runs ran away with a bf16 row sum "
         f"$\\ell$: rounding only $\\ell$ (`bf16rowsum`) ran away in {rate(*tally(rowsum, 'runaway'))}, the "
@@ -543,9 +550,11 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"test p = {ell_p:.2g}; within the {len(both)} seeds that ran both arms p = {ell_p_seeds:.2g}; the "
         f"runs are of unequal length, {min(r.steps for r in rowsum + fp32pv):,} to "
         f"{max(r.steps for r in rowsum + fp32pv):,} steps). On the larger `{BIG_CORPUS}` corpus the study's "
-        f"primary test of the same two arms ({min(ell_seeds)} seeds each, registered before its runs) stands "
-        f"at {tally(study_ell[0], 'runaway')[0]} of {len(study_ell[0])} against "
-        f"{tally(study_ell[1], 'runaway')[0]} of {len(study_ell[1])} (interim, no test yet). An fp32 $\\ell$ "
+        f"primary test of the same two arms ({min(ell_seeds)} seeds each to {survival_steps:,} steps, "
+        f"registered before its runs) found {tally(study_ell[0], 'runaway')[0]} of {len(study_ell[0])} "
+        f"against {tally(study_ell[1], 'runaway')[0]} of {len(study_ell[1])} (Fisher's exact test, "
+        f"two-sided, p = {test_p:.2g}; within seeds p = {test_p_seeds:.2g}): rounding only $\\ell$ to bf16 "
+        f"made the runaway more likely than keeping it in fp32. An fp32 $\\ell$ "
         f"does not rule a runaway out: `fp32pv` ran away in the study too, `fa2` keeps $\\ell$ in fp32 and "
         f"ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away "
         f"in both runs of its one seed (without the stop rule). These are counts; no single run shows a "
