@@ -167,6 +167,23 @@ def test_a_repeat_that_parts_raises(tmp_path: Path) -> None:
         bottom_line(results)
 
 
+def test_the_primary_test_goes_stale(tmp_path: Path) -> None:
+    """Two more fp32pv runaways (8 of 8 against 4 of 8: Fisher p = 0.077): "below 0.05" is stale."""
+    results = synthetic(tmp_path)
+    survival = results / "explode" / "survival"
+    survival.unlink()
+    survival.mkdir()
+    for item in (EXPLODE / "survival").iterdir():
+        (survival / item.name).symlink_to(item)
+    calm = [f for f in sorted(survival.glob("fp32pv-s[0-9]")) if runaway_step(load_run(f)) is None]
+    for folder in calm[:2]:  # the same seed's bf16rowsum run, which ran away, in its place
+        folder.unlink()
+        folder.symlink_to(EXPLODE / "survival" / folder.name.replace("fp32pv", "bf16rowsum"))
+    forget()
+    with pytest.raises(StaleClaim, match="the primary test: bf16rowsum runs away more often than fp32pv"):
+        bottom_line(results)
+
+
 def test_survival_runaways_by_arm(lines: list[str]) -> None:
     arms: dict[str, list[int]] = {}
     for folder in sorted((EXPLODE / "survival").glob("*-s[0-9]*")):

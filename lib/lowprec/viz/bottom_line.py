@@ -357,8 +357,9 @@ def lr_finding(results: Path = RESULTS) -> str:
     claim(p < 0.01 and p_seeds < 0.05, "at 1e-3 bf16 against no bf16 in attention: Fisher's exact test below "
           "0.01, the test within seeds below 0.05")
     nor = "" if not control else (
-        f", nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in any of "
-        f"{len(control)} (largest logit at most {max(peak[r.name] for r in control):.0f})")
+        ", nor the model with no bf16 anywhere (`model-fp32`: fp32 throughout, TF32 off) in "
+        + ("its one run" if len(control) == 1 else f"any of {len(control)}")
+        + f" (largest logit at most {max(peak[r.name] for r in control):.0f})")
     recipe_fa2, fa2_twice, fa2_half = contrast.fa2_recipe, contrast.fa2_twice, contrast.fa2_half
     claim(len(recipe_fa2) >= 3 and not any(r.runaway for r in recipe_fa2 + fa2_twice),
           "fa2 in the same seeds: no runaway at the recipe's rate (its survival runs) or at twice it")
