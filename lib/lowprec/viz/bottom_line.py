@@ -541,7 +541,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "
         "none with attention in fp32" + nor + "; rounding the row sum $\\ell$ to bf16 made runaways more "
-        "likely (the study's registered test); which bf16 rounding point starts the production placement's "
+        "likely (the study's primary test); which bf16 rounding point starts the production placement's "
         "runaways (its $\\ell$ is fp32) is open. In full: " + finding
         + " Which rounding point, at the recipe's rate: "
         f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
