@@ -23,6 +23,7 @@ from lowprec.instruments.bias import (
     ErrorStats,
     adversarial_inputs,
     bias_table,
+    biased,
     dominant_key_scale_error,
     format_table,
     measure_bias,
@@ -179,3 +180,12 @@ def test_bf16_row_sum_swamps_the_tiles_after_a_dominant_key():
         assert abs(dominant_key_scale_error(rowsum, score, position=1000, heads=2).scale.mean) < 1e-3
     with pytest.raises(ValueError, match="position"):
         dominant_key_scale_error(rowsum, 1.0, position=1024)
+
+
+def test_biased_is_the_books_one_threshold_on_either_error():
+    """|t| >= BIASED_T (4) for the O error or the δ error, either sign, the threshold itself included."""
+    def result(t_o: float, t_delta: float) -> BiasResult:
+        return BiasResult("impl", "case", ErrorStats(0.0, 1.0, t_o, 8), ErrorStats(0.0, 1.0, t_delta, 8), 8)
+
+    assert biased(result(4.0, 0.0)) and biased(result(0.0, -4.0)) and biased(result(-9.0, 9.0))
+    assert not biased(result(3.99, -3.99)) and not biased(result(0.0, 0.0))

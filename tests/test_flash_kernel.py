@@ -1051,6 +1051,24 @@ def test_fix_overhead_reads_the_fix_from_its_forward_and_times_the_same_backward
     assert verdict["met"]["fwd+bwd_fix_from_fwd"] is False, "5% of forward+backward: over the 2% target"
 
 
+def test_record_fix_overhead_reads_a_benchmark_or_a_cures_record(tmp_path):
+    """A benchmark record's `results` (triton, triton+fix) and a cures record's `cost` (none (fa2), Fix) give
+    the same `fix_overhead` entries for the same timings."""
+    from lowprec.instruments.bench_attention import fix_overhead, record_fix_overhead
+
+    shape = {"seq": 4096, "head_dim": 128, "causal": True}
+    plain = {**shape, "fwd_ms": 1.0, "bwd_ms": 3.0, "fwd+bwd_ms": 4.0}
+    fixed = {**shape, "fwd_ms": 1.2, "bwd_ms": 2.94, "fwd+bwd_ms": 4.04}
+    (tmp_path / "bench.json").write_text(json.dumps(
+        {"results": [{"impl": "triton", **plain}, {"impl": "triton+fix", **fixed}]}))
+    (tmp_path / "cures.json").write_text(json.dumps(
+        {"bias": [], "cost": [{"cure": "none (fa2)", **plain}, {"cure": "Fix", **fixed}]}))
+    expected = fix_overhead([{"impl": "triton", **plain}, {"impl": "triton+fix", **fixed}])
+    assert expected and expected[0]["fwd+bwd_fix_from_fwd"] == 0.05
+    assert record_fix_overhead(tmp_path / "bench.json") == expected
+    assert record_fix_overhead(tmp_path / "cures.json") == expected
+
+
 def test_timing_rounds_rotate_the_order_over_the_same_inputs():
     """Each round of a benchmark starts one implementation later than the round before, so that no
     implementation is always timed in the same place (an A/A pair timed first and last differed by 3-9%), and

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import math
 import time
 from collections.abc import Callable
@@ -356,6 +357,15 @@ def fix_overhead(results: list[dict], key: str = "impl", plain: str = "triton", 
             entry |= fix_readings(impls[plain], impls[fixed])
         out.append(entry)
     return out
+
+
+def record_fix_overhead(path: Path) -> list[dict]:
+    """`fix_overhead` of a committed record: a benchmark's `results` (our kernel with and without the Fix)
+    or a cures record's `cost` (`none (fa2)` and `Fix`)."""
+    record = json.loads(Path(path).read_text())
+    if "cost" in record:
+        return fix_overhead(record["cost"], "cure", "none (fa2)", "Fix")
+    return fix_overhead(record["results"])
 
 
 def targets(overhead: list[dict], seqs: tuple[int, ...] = (4096, 8192, 16384), head_dim: int = 128) -> dict:

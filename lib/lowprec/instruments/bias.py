@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from lowprec.analysis import ErrorStats
+from lowprec.analysis import BIASED_T, ErrorStats
 from lowprec.attention.dispatch import attention
 from lowprec.attention.reference import reference_attention, scaled_scores
 
@@ -105,6 +105,11 @@ class BiasResult:
     def from_dict(cls, d: dict) -> BiasResult:
         """Inverse of to_dict (e.g. for results read back from JSON)."""
         return cls(**{**d, "o": ErrorStats(**d["o"]), "delta": ErrorStats(**d["delta"])})
+
+
+def biased(result: BiasResult) -> bool:
+    """The book's one definition of a bias: |t| >= BIASED_T for the O error or the δ error."""
+    return max(abs(result.o.t), abs(result.delta.t)) >= BIASED_T
 
 
 def target_scores(case: Case, rows: int, generator: torch.Generator) -> torch.Tensor:

@@ -313,6 +313,34 @@ class HalfRate:
         return stratified_p(by_seed(self.fa2_half, self.fa2_recipe + self.fa2_twice))
 
 
+@dataclass(frozen=True)
+class PrimaryTest:
+    """The survival study's primary test, as PROTOCOL registered it: runaways by the horizon of `bf16rowsum`
+    (only the row sum in bf16) against `fp32pv` (the same arm with it in fp32), Fisher's exact test read on
+    its own, the exact test within seeds beside it."""
+
+    bf16: list[RunFacts]
+    fp32: list[RunFacts]
+
+    @property
+    def counts(self) -> list[tuple[int, int]]:
+        return [tally(self.bf16, "runaway"), tally(self.fp32, "runaway")]
+
+    @property
+    def p(self) -> float:
+        return fisher_p(*self.counts[0], *self.counts[1])
+
+    @property
+    def p_seeds(self) -> float:
+        return stratified_p(by_seed(self.bf16, self.fp32))
+
+
+def primary_test(results: Path = RESULTS) -> PrimaryTest:
+    """The `PrimaryTest` runs of the survival queue's records (`study_groups`)."""
+    groups = study_groups("survival", results)
+    return PrimaryTest(groups.get("bf16rowsum", []), groups.get("fp32pv", []))
+
+
 def half_rate(results: Path = RESULTS) -> HalfRate:
     """The `HalfRate` runs of the records (`lr_finding` checks what it says of them)."""
     half = [r for group in grid_cell("1e-3", False, results).values() for r in group]
@@ -512,13 +540,12 @@ def bottom_line(results: Path = RESULTS) -> str:
     planned = collections.Counter(r["arm"] for r in study.load_queue(
         results / "explode" / "survival" / "queue.json")["runs"])  # runs per arm
     per_arm = max(planned.values())
-    study_ell = [study_arms.get(arm, []) for arm in ("bf16rowsum", "fp32pv")]
+    primary = primary_test(results)
+    (bf16_k, bf16_n), (fp32_k, fp32_n) = primary.counts
     ell_seeds = {planned[arm] for arm in ("bf16rowsum", "fp32pv")}
-    claim(len(ell_seeds) == 1 and all(len(group) == min(ell_seeds) for group in study_ell)
-          and tally(study_ell[1], "runaway")[0] > 0, "the primary test is made, and fp32pv ran away in it")
-    test_p = fisher_p(*tally(study_ell[0], "runaway"), *tally(study_ell[1], "runaway"))
-    test_p_seeds = stratified_p(by_seed(*study_ell))
-    claim(test_p < 0.05, "the primary test: bf16rowsum runs away more often than fp32pv, p below 0.05")
+    claim(len(ell_seeds) == 1 and bf16_n == fp32_n == min(ell_seeds) and fp32_k > 0,
+          "the primary test is made, and fp32pv ran away in it")
+    claim(primary.p < 0.05, "the primary test: bf16rowsum runs away more often than fp32pv, p below 0.05")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
     control = len(half_rate(results).control)
     nor = {0: "", 1: ", nor the one run with no bf16 anywhere"}.get(
@@ -552,10 +579,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"runs are of unequal length, {min(r.steps for r in rowsum + fp32pv):,} to "
         f"{max(r.steps for r in rowsum + fp32pv):,} steps). On the larger `{BIG_CORPUS}` corpus the study's "
         f"primary test of the same two arms ({min(ell_seeds)} seeds each to {survival_steps:,} steps, "
-        f"registered before its runs) found {tally(study_ell[0], 'runaway')[0]} of {len(study_ell[0])} "
-        f"against {tally(study_ell[1], 'runaway')[0]} of {len(study_ell[1])} (Fisher's exact test, "
-        f"two-sided, p = {test_p:.2g}; within seeds p = {test_p_seeds:.2g}): rounding only $\\ell$ to bf16 "
-        f"made the runaway more likely than keeping it in fp32. An fp32 $\\ell$ "
+        f"registered before its runs) found {bf16_k} of {bf16_n} against {fp32_k} of {fp32_n} (Fisher's "
+        f"exact test, two-sided, p = {primary.p:.2g}; within seeds p = {primary.p_seeds:.2g}): rounding only "
+        f"$\\ell$ to bf16 made the runaway more likely than keeping it in fp32. An fp32 $\\ell$ "
         f"does not rule a runaway out: `fp32pv` ran away in the study too, `fa2` keeps $\\ell$ in fp32 and "
         f"ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away "
         f"in both runs of its one seed (without the stop rule). These are counts; no single run shows a "

@@ -33,7 +33,7 @@ from lowprec.analysis import BIASED_T
 from lowprec.attention.emulated import emulated_attention
 from lowprec.attention.fix import FIX_VARIANTS, TIE_SCOPES, Fix
 from lowprec.attention.precision import PLACEMENTS, POINTS, Precision, Rounding
-from lowprec.instruments.bias import CASES, NEAR_WINDOW, SEQ, BiasResult, Case, Rows, bias_of
+from lowprec.instruments.bias import CASES, NEAR_WINDOW, SEQ, BiasResult, Case, Rows, bias_of, biased
 from lowprec.instruments.cures import FAMILIES as CURE_FAMILIES
 from lowprec.instruments.cures import SCALE, Family
 from lowprec.viz.panels import LivePanel, add_menu_and_slider, dropdown, sig
@@ -222,9 +222,9 @@ def measurement_figure(m: Measurement) -> go.Figure:
     fig.update_xaxes(title_text="P̄ = 1 entries (count)", dtick=1, row=1, col=2)
     fig.update_yaxes(title_text="rows (%)", row=1, col=1)
     fig.update_yaxes(title_text="rows (%)", row=1, col=2)
-    biased = "biased" if max(abs(r.o.t), abs(r.delta.t)) >= BIASED_T else f"no bias (|t| < {BIASED_T:g})"
+    verdict = "biased" if biased(r) else f"no bias (|t| < {BIASED_T:g})"
     title = f"{m.setting.rows_label}, V mean {m.setting.v_mean:+g}: t(O) {r.o.t:+.1f}, t(δ) {r.delta.t:+.1f}"
-    fig.update_layout(title={"text": f"{title}, {biased}", "subtitle": {"text": m.setting.label}},
+    fig.update_layout(title={"text": f"{title}, {verdict}", "subtitle": {"text": m.setting.label}},
                       showlegend=False, height=400, margin={"t": 100}, bargap=0.05)
     return fig
 
