@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from lowprec.analysis import largest_logit, outcomes, runaway_step, wilson
+from lowprec.analysis import event_times, largest_logit, log_rank, outcome, outcomes, runaway_step, wilson
 from lowprec.runs import load_run
 from lowprec.viz.bottom_line import (
     RESULTS,
@@ -30,6 +30,7 @@ from lowprec.viz.bottom_line import (
     lr_finding,
     record_runs,
     run_rows,
+    secondary_tests,
     shared_spikes,
     study_groups,
     tokens_per_s,
@@ -184,6 +185,41 @@ def test_the_primary_test_goes_stale(tmp_path: Path) -> None:
         bottom_line(results)
 
 
+def test_sooner_at_half_the_rate_goes_stale(tmp_path: Path) -> None:
+    """paper64's survival run of seed 1 replaced by bf16rowsum's (a runaway at 1,150, the step of paper64's
+    half-rate run of that seed, not after it): "sooner at half the rate in each seed" is stale."""
+    results = synthetic(tmp_path)
+    survival = results / "explode" / "survival"
+    survival.unlink()
+    survival.mkdir()
+    for item in (EXPLODE / "survival").iterdir():
+        (survival / item.name).symlink_to(item)
+    (survival / "paper64-s1").unlink()
+    (survival / "paper64-s1").symlink_to(EXPLODE / "survival" / "bf16rowsum-s1")
+    forget()
+    with pytest.raises(StaleClaim, match="paper64 ran away sooner at 1e-3 than at 2e-3 in every seed"):
+        lr_finding(results)
+
+
+def test_secondary_tests_from_the_folders() -> None:
+    """Each arm against fa2 and model-fp32, one test per pair, log-rank p from each folder's own outcome at
+    the queue's horizon; the smallest's range over the runs to come holds its p."""
+    tests = secondary_tests()
+    arms = sorted({f.name.rsplit("-s", 1)[0] for f in (EXPLODE / "survival").glob("*-s[0-9]") if f.is_dir()})
+    assert len(tests) == 2 * (len(arms) - 1) - 1 and [t.p for t in tests] == sorted(t.p for t in tests)
+    end = json.loads((EXPLODE / "survival" / "queue.json").read_text())["horizon"]
+    for test in tests[:3]:
+        found = [[outcome(load_run(f), end) for f in sorted((EXPLODE / "survival").glob(f"{arm}-s[0-9]"))]
+                 for arm in test.arms]
+        assert test.counts == [(sum(o.runaway is not None for o in g), len(g)) for g in found]
+        assert test.p == log_rank(*(event_times(g, "runaway") for g in found))[1]
+        assert test.corrected == min(1, test.p * len(tests))
+    low, high = tests[0].ends()
+    assert low <= tests[0].corrected <= high
+    assert (f"one is below 5%: {tests[0].label}, corrected p = {tests[0].corrected:.2g}, and {low:.2g} to "
+            f"{high:.2g} whatever") in bottom_line()
+
+
 def test_survival_runaways_by_arm(lines: list[str]) -> None:
     arms: dict[str, list[int]] = {}
     for folder in sorted((EXPLODE / "survival").glob("*-s[0-9]*")):
@@ -254,7 +290,7 @@ def test_what_fails_names_fa2s_runs_on_each_corpus(lines: list[str]) -> None:
     assert recipe and not any(runaway_step(r) for r in recipe)
     assert (f"it ran away in none of its {len(recipe)} runs at that learning rate (8,000 steps each) and in "
             f"all {len(half)} at half of it ({stopped} of them then exploded)") in lines[0]
-    assert "Of the 24 runs the stop rule ended, 20 were at 32,768 tokens per step." in lines[0]
+    assert "Of the 25 runs the stop rule ended, 21 were at 32,768 tokens per step." in lines[0]
     assert all(r.config.get("deterministic") for r in half + recipe)
     assert load_run(EXPLODE / "lead-s1337" / "fa2-s1337").config.get("deterministic") is None
     assert "which every run of the study used, a seed fixes a run" in lines[3]
@@ -291,7 +327,10 @@ def test_lr_finding_against_the_folders() -> None:
     assert "within seeds p = 0.028" in text  # seeds 1 and 2 (4e-3 too): 1/3 each, seeds 3 and 4: 1/2 each
     onset = {f.name: runaway_step(load_run(f)) for f in at["1e-3"]}
     assert all(onset[f"paper64-lr1e-3-s{s}"] < onset[f"fa2-lr1e-3-s{s}"] for s in seeds)
-    assert f"before `fa2` in each of the {len(seeds)} seeds at half the rate" in text
+    recipe_paper = {s: runaway_step(load_run(EXPLODE / "survival" / f"paper64-s{s}")) for s in seeds}
+    assert all(recipe_paper[s] is None or onset[f"paper64-lr1e-3-s{s}"] < recipe_paper[s] for s in seeds)
+    assert f"placement ran away sooner at half the rate in each of the {len(seeds)} seeds" in text
+    assert "before `fa2` in each of them at half the rate" in text
     normed = [f for f in lr.glob("*-qkln-s[0-9]") if (f / "summary.json").is_file()]
     assert f"With QK-LayerNorm none of {len(normed)} runs ran away" in text
     assert text in bottom_line()

@@ -14,6 +14,7 @@ from lowprec.analysis import (
     fisher_p,
     kaplan_meier,
     log_rank,
+    log_rank_range,
     lr_sweep,
     outcome,
     stratified_p,
@@ -45,6 +46,22 @@ def test_log_rank_matches_the_textbook_chi_square() -> None:
     assert 1e-5 < p < 2e-4 and log_rank(MP6, PLACEBO)[1] == p  # seeded: the same p again
     assert log_rank(PLACEBO, MP6)[0] == pytest.approx(chi2) and 1e-5 < log_rank(PLACEBO, MP6)[1] < 2e-4
     assert log_rank(([5, 5], [False, False]), ([5], [False])) == (0.0, 1.0)  # no event anywhere
+
+
+def test_log_rank_range_covers_every_outcome_of_the_runs_to_come() -> None:
+    """Two runaways against one calm run, one run of b still to come: its every outcome, step by step (each
+    step before the horizon, or none by it), gives p between the range's ends, and both ends are reached."""
+    a, b, horizon = ([10, 20], [True, True]), ([30], [False]), 30
+    brute = [log_rank(a, ([30, t], [False, t < horizon]))[1] for t in range(horizon + 1)]
+    assert log_rank_range(a, b, 0, 1, horizon) == (min(brute), max(brute))
+    calm, early = log_rank(a, ([30, 30], [False, False]))[1], log_rank(a, ([30, 0], [False, True]))[1]
+    assert min(brute) == calm < max(brute) == early
+    assert log_rank_range(a, b, 0, 0, horizon) == (log_rank(a, b)[1],) * 2  # nothing to come: the p itself
+    both = [log_rank(([10, 20, s], [True, True, s < horizon]), ([30, t], [False, t < horizon]))[1]
+            for s in range(horizon + 1) for t in range(horizon + 1)]
+    assert log_rank_range(a, b, 1, 1, horizon) == (min(both), max(both))
+    with pytest.raises(ValueError, match="more runs"):
+        log_rank_range(a, b, 8, 8, horizon, limit=100)
 
 
 def test_log_rank_is_exact_for_few_runs() -> None:

@@ -444,6 +444,28 @@ def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -
     return chi2, hits / splits if splits <= LOG_RANK_SPLITS else (hits + 1) / (LOG_RANK_SPLITS + 1)
 
 
+def log_rank_range(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]], more_a: int, more_b: int,
+                   horizon: int, limit: int = 10_000) -> tuple[float, float]:
+    """The smallest and largest `log_rank` p that groups `a` and `b` can have once `more_a` and `more_b` more
+    runs are made to `horizon`: each new run is censored at the horizon or has its event before it, at any
+    place among the known times (tied with one, between two, before all; the statistic sees only the order).
+    ValueError when that makes more than `limit` cases."""
+    known = sorted(set(a[0]) | set(b[0]) | {horizon})
+    places = sorted({known[0] - 1, *known, *((x + y) / 2 for x, y in itertools.pairwise(known))})
+    new = [(t, True) for t in places if t < horizon] + [(horizon, False)]  # one new run's possible outcomes
+    cases = math.comb(len(new) + more_a - 1, more_a) * math.comb(len(new) + more_b - 1, more_b)
+    if cases > limit:
+        raise ValueError(f"log_rank_range: {cases:,} cases for {more_a} and {more_b} more runs "
+                         f"(limit {limit:,})")
+    ps = []
+    for extra_a in itertools.combinations_with_replacement(new, more_a):
+        for extra_b in itertools.combinations_with_replacement(new, more_b):
+            grown = [(list(ta) + [t for t, _ in extra], list(ea) + [e for _, e in extra])
+                     for (ta, ea), extra in ((a, extra_a), (b, extra_b))]
+            ps.append(log_rank(*grown)[1])
+    return min(ps), max(ps)
+
+
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     """Wilson score interval (95% by default) of a proportion k / n."""
     if not 0 <= k <= n or n < 1:

@@ -16,17 +16,22 @@ from __future__ import annotations
 import collections
 import functools
 import json
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from lowprec.analysis import (
+    Outcome,
     detection_power,
+    event_times,
     first_difference,
     first_layer,
     fisher_p,
     largest_logit,
+    log_rank,
+    log_rank_range,
     outcomes,
     recipe,
     recipe_label,
@@ -341,6 +346,75 @@ def primary_test(results: Path = RESULTS) -> PrimaryTest:
     return PrimaryTest(groups.get("bf16rowsum", []), groups.get("fp32pv", []))
 
 
+SECONDARY_CONTROLS = ("fa2", "model-fp32")  # the production placement; no bf16 anywhere
+
+
+@dataclass
+class SecondaryTest:
+    """One of the survival study's secondary tests, as PROTOCOL registered them: an arm's runaways by the
+    horizon against a control's (`arms`), the exact log-rank p (`analysis.log_rank`), corrected (Bonferroni)
+    for the `tests` such tests; `planned`: each arm's runs in the queue."""
+
+    arms: tuple[str, str]
+    outcomes: tuple[list[Outcome], list[Outcome]]
+    planned: tuple[int, int]
+    horizon: int
+    p: float
+    tests: int
+
+    @property
+    def counts(self) -> list[tuple[int, int]]:
+        return [(sum(o.runaway is not None for o in group), len(group)) for group in self.outcomes]
+
+    @property
+    def corrected(self) -> float:
+        return min(1.0, self.p * self.tests)
+
+    @property
+    def label(self) -> str:
+        """"`a` against `b` (k of n against k of n)", in Markdown."""
+        return (" against ".join(f"`{arm}`" for arm in self.arms) + " ("
+                + " against ".join(f"{k} of {n}" for k, n in self.counts) + ")")
+
+    @property
+    def to_come(self) -> int:
+        return sum(n - len(group) for n, group in zip(self.planned, self.outcomes, strict=True))
+
+    def ends(self) -> tuple[float, float]:
+        """The corrected p's range over every outcome of the two arms' runs still to be made
+        (`analysis.log_rank_range`)."""
+        more = (n - len(group) for n, group in zip(self.planned, self.outcomes, strict=True))
+        low, high = log_rank_range(*(event_times(group, "runaway") for group in self.outcomes), *more,
+                                   self.horizon)
+        return min(1.0, low * self.tests), min(1.0, high * self.tests)
+
+
+def by_horizon(run: RunFacts, end: int) -> Outcome:
+    """A study run's `analysis.Outcome` at the horizon `end`."""
+    explosion = run.explosion if run.explosion is not None and run.explosion < end else None
+    observed = end if explosion is None else explosion
+    went = run.runaway is not None and run.runaway <= observed
+    return Outcome(run.runaway if went else None, run.first_layer if went else None, explosion, observed)
+
+
+def secondary_tests(results: Path = RESULTS) -> list[SecondaryTest]:
+    """The survival queue's secondary tests that its records allow (each arm against each control of
+    `SECONDARY_CONTROLS` recorded, one test per pair of arms), smallest p first."""
+    path = Path(results) / "explode" / "survival" / "queue.json"
+    queue = study.load_queue(path)
+    planned = collections.Counter(row["group"] for row in study.states(queue, path.parent, None))
+    groups = study_groups("survival", results)
+    arms = {group: [by_horizon(r, queue["horizon"]) for r in groups[group]]
+            for group in planned if group in groups}
+    pairs = [(arm, control) for arm in arms for control in SECONDARY_CONTROLS
+             if control in arms and control != arm]
+    pairs = [(a, c) for i, (a, c) in enumerate(pairs) if (c, a) not in pairs[:i]]  # fa2 v model-fp32 once
+    tests = [SecondaryTest((a, c), (arms[a], arms[c]), (planned[a], planned[c]), queue["horizon"],
+                           log_rank(event_times(arms[a], "runaway"), event_times(arms[c], "runaway"))[1],
+                           len(pairs)) for a, c in pairs]
+    return sorted(tests, key=lambda test: test.p)
+
+
 def half_rate(results: Path = RESULTS) -> HalfRate:
     """The `HalfRate` runs of the records (`lr_finding` checks what it says of them)."""
     half = [r for group in grid_cell("1e-3", False, results).values() for r in group]
@@ -394,12 +468,11 @@ def lr_finding(results: Path = RESULTS) -> str:
     p_fa2, p_fa2_seeds = contrast.p_fa2, contrast.p_fa2_seeds
     claim(all(r.runaway <= steps_per_run for r in fa2_half) and p_fa2 < 0.01,
           "fa2 by the horizon: every run at 1e-3, none at 2e-3 or 4e-3 (Fisher p below 0.01)")
-    paper_half = sorted(r.runaway for r in bf16 if r.arm == "paper64")
-    paper_recipe = sorted(r.runaway for r in study_groups("survival", results).get("paper64", [])
-                          if r.runaway)
-    claim(paper_recipe and max(paper_half) < min(paper_recipe),
-          "paper64 ran away sooner at 1e-3 than at 2e-3")
     onset = {(r.arm, r.seed): r.runaway for r in bf16}
+    paper_recipe = {r.seed: r.runaway for r in study_groups("survival", results).get("paper64", [])}
+    claim(all(s in paper_recipe and (paper_recipe[s] or math.inf) > onset["paper64", s] for s in seeds),
+          "paper64 ran away sooner at 1e-3 than at 2e-3 in every seed run at both")
+    other_seeds, survival_end = sorted(paper_recipe.keys() - set(seeds)), horizon("survival", results)
     claim(all(onset["paper64", s] < onset["fa2", s] for s in seeds),
           "paper64 before fa2 in every seed at 1e-3")
     stopped = [r for r in half if r.explosion is not None]
@@ -407,6 +480,10 @@ def lr_finding(results: Path = RESULTS) -> str:
           "at 1e-3 some bf16 runs, not all, and no fp32 run reached the stop rule")
     def steps(arm: str) -> str:
         return ", ".join(f"{r.runaway:,}" for r in sorted(bf16, key=lambda r: r.seed) if r.arm == arm)
+
+    def recipe_steps(seeds: list[int]) -> str:  # paper64's survival runs (2e-3) of these seeds
+        said = [f"{paper_recipe[s]:,}" if paper_recipe[s] else f"not by {survival_end:,}" for s in seeds]
+        return ", ".join(said[:-1]) + f" and {said[-1]}"
 
     normed = [r for (_, _, on), group in cells.items() if on for r in group]
     claim(normed and not any(r.runaway or r.spike or r.explosion for r in normed),
@@ -431,10 +508,13 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"in {len(fa2_half)} of {len(fa2_half)} runs at half the recipe's rate and in 0 of "
         f"{len(recipe_fa2) + len(fa2_twice)} at the recipe's rate (seeds {listed(recipe_fa2)}, none by "
         f"{horizon('survival', results):,} either) and twice it (seeds {listed(fa2_twice)}), Fisher's exact "
-        f"test p = {p_fa2:.2g}, within seeds p = {p_fa2_seeds:.2g}; the authors' placement ran away at steps "
-        f"{paper_half[0]:,}-{paper_half[-1]:,} at half the rate, against "
-        f"{' and '.join(f'{s:,}' for s in paper_recipe)} at the recipe's (its survival runs), and before "
-        f"`fa2` in each of the {len(seeds)} seeds at half the rate (its row sum and scores in bf16 too). "
+        f"test p = {p_fa2:.2g}, within seeds p = {p_fa2_seeds:.2g}; the authors' placement ran away sooner "
+        f"at half the rate in each of the {len(seeds)} seeds (at steps {steps('paper64')}, against "
+        f"{recipe_steps(seeds)} at the recipe's rate in its survival runs"
+        + (f"; seeds {other_seeds[0]} to {other_seeds[-1]} there: {recipe_steps(other_seeds)}"
+           if other_seeds else "")
+        + ") and "
+        f"before `fa2` in each of them at half the rate (its row sum and scores in bf16 too). "
         f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, "
         f"every placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, "
         f"{' or '.join(map(str, per_placement))} seeds per placement); "
@@ -546,6 +626,10 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(len(ell_seeds) == 1 and bf16_n == fp32_n == min(ell_seeds) and fp32_k > 0,
           "the primary test is made, and fp32pv ran away in it")
     claim(primary.p < 0.05, "the primary test: bf16rowsum runs away more often than fp32pv, p below 0.05")
+    secondary = secondary_tests(results)
+    settled = [(test, test.ends()) for test in secondary if test.corrected < 0.05]
+    claim([test.arms for test, _ in settled] == [("bf16rowsum", "fa2")] and settled[0][1][1] < 0.05,
+          "one secondary test below 5%, bf16rowsum against fa2, whatever its runs still to be made give")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
     control = len(half_rate(results).control)
     nor = {0: "", 1: ", nor the one run with no bf16 anywhere"}.get(
@@ -568,7 +652,8 @@ def bottom_line(results: Path = RESULTS) -> str:
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "
         "none with attention in fp32" + nor + "; rounding the row sum $\\ell$ to bf16 made runaways more "
-        "likely (the study's primary test); which bf16 rounding point starts the production placement's "
+        "likely than keeping it in fp32 (the study's primary test) and than the production placement (a "
+        "secondary test); which bf16 rounding point starts the production placement's "
         "runaways (its $\\ell$ is fp32) is open. In full: " + finding
         + " Which rounding point, at the recipe's rate: "
         f"not the paper's biased rounding of $\\bar P V$ alone: with it unrounded (`paper64-fp32pv`) "
@@ -581,7 +666,12 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"primary test of the same two arms ({min(ell_seeds)} seeds each to {survival_steps:,} steps, "
         f"registered before its runs) found {bf16_k} of {bf16_n} against {fp32_k} of {fp32_n} (Fisher's "
         f"exact test, two-sided, p = {primary.p:.2g}; within seeds p = {primary.p_seeds:.2g}): rounding only "
-        f"$\\ell$ to bf16 made the runaway more likely than keeping it in fp32. An fp32 $\\ell$ "
+        f"$\\ell$ to bf16 made the runaway more likely than keeping it in fp32. Of the study's "
+        f"{len(secondary)} secondary tests (each arm's runaways against `fa2` and against `model-fp32`, "
+        f"exact log-rank tests corrected for their number) one is below 5%: {settled[0][0].label}, corrected "
+        f"p = {settled[0][0].corrected:.2g}, and {settled[0][1][0]:.2g} to {settled[0][1][1]:.2g} whatever "
+        f"the runs still to be made give: rounding $\\ell$ to bf16 and not $\\bar P$ made the runaway more "
+        f"likely than the production placement, which rounds $\\bar P$ and not $\\ell$. An fp32 $\\ell$ "
         f"does not rule a runaway out: `fp32pv` ran away in the study too, `fa2` keeps $\\ell$ in fp32 and "
         f"ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded and `fp32pv` ran away "
         f"in both runs of its one seed (without the stop rule). These are counts; no single run shows a "

@@ -81,7 +81,7 @@ def explosion(results: Path = RESULTS) -> str:
           and high_seeds == [1, 2], "8e-3: every run of every placement, one or two seeds")
     claim(tally(half_bf16, "runaway") == (8, 8) and tally(half["attn-fp32"], "runaway") == (0, 4)
           and tally(control, "runaway") == (0, 1)
-          and tally(half["fa2"], "runaway") == (4, 4) and (len(fa2_other), len(fa2_above)) == (0, 6),
+          and tally(half["fa2"], "runaway") == (4, 4) and not fa2_other and len(fa2_above) >= 6,
           "1e-3: bf16 8 of 8, fp32 attention 0 of 4, no bf16 at all 0 of 1; fa2 none at 2e-3 and 4e-3")
     claim(tally(normed, "runaway")[0] == 0 and all(len(group) == 1 for group in normed_cells),
           "QK-LayerNorm: no runaway, one seed per cell")
@@ -176,8 +176,8 @@ def what_to_change(results: Path = RESULTS) -> str:
     claim(tally(study_fp32pv, "runaway")[0] > 0, "an fp32 row sum ran away in the study")
     trained = {arm: survival[arm] for arm in ("fa2", "fa2-consistent")}
     went_both = [sum(bool(r.runaway and r.explosion) for r in group) for group in trained.values()]
-    claim(went_both == [0, 1] and [len(group) for group in trained.values()] == [4, 2],
-          "fa2-consistent: 1 of 2 ran away and exploded, fa2 0 of 4")
+    claim(went_both == [0, 1] and len(trained["fa2"]) >= 4 and len(trained["fa2-consistent"]) == 2,
+          "fa2-consistent: 1 of 2 ran away and exploded, fa2 in none of its runs")
     return (
         "**What to change, in short** (each point is measured below and in chapter 3):\n\n"
         "- **With FlashAttention-2, SDPA or cuDNN the row sum $\\ell$ is already fp32**: they round as the "
