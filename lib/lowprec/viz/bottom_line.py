@@ -377,14 +377,18 @@ class SecondaryTest:
                 + " against ".join(f"{k} of {n}" for k, n in self.counts) + ")")
 
     @property
+    def more(self) -> tuple[int, int]:
+        """Each arm's runs still to be made."""
+        return tuple(n - len(group) for n, group in zip(self.planned, self.outcomes, strict=True))
+
+    @property
     def to_come(self) -> int:
-        return sum(n - len(group) for n, group in zip(self.planned, self.outcomes, strict=True))
+        return sum(self.more)
 
     def ends(self) -> tuple[float, float]:
         """The corrected p's range over every outcome of the two arms' runs still to be made
         (`analysis.log_rank_range`)."""
-        more = (n - len(group) for n, group in zip(self.planned, self.outcomes, strict=True))
-        low, high = log_rank_range(*(event_times(group, "runaway") for group in self.outcomes), *more,
+        low, high = log_rank_range(*(event_times(group, "runaway") for group in self.outcomes), *self.more,
                                    self.horizon)
         return min(1.0, low * self.tests), min(1.0, high * self.tests)
 
@@ -511,8 +515,7 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"test p = {p_fa2:.2g}, within seeds p = {p_fa2_seeds:.2g}; the authors' placement ran away sooner "
         f"at half the rate in each of the {len(seeds)} seeds (at steps {steps('paper64')}, against "
         f"{recipe_steps(seeds)} at the recipe's rate in its survival runs"
-        + (f"; seeds {other_seeds[0]} to {other_seeds[-1]} there: {recipe_steps(other_seeds)}"
-           if other_seeds else "")
+        + (f"; seeds {seed_ranges(other_seeds)} there: {recipe_steps(other_seeds)}" if other_seeds else "")
         + ") and "
         f"before `fa2` in each of them at half the rate (its row sum and scores in bf16 too). "
         f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, "
