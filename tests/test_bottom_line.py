@@ -168,14 +168,21 @@ def test_a_repeat_that_parts_raises(tmp_path: Path) -> None:
         bottom_line(results)
 
 
-def test_the_primary_test_goes_stale(tmp_path: Path) -> None:
-    """Two more fp32pv runaways (8 of 8 against 4 of 8: Fisher p = 0.077): "below 0.05" is stale."""
+def survival_by_link(tmp_path: Path) -> tuple[Path, Path]:
+    """`synthetic` results whose survival folder links each of its items one by one (so that a test can put
+    another run in one item's place), and that folder."""
     results = synthetic(tmp_path)
     survival = results / "explode" / "survival"
     survival.unlink()
     survival.mkdir()
     for item in (EXPLODE / "survival").iterdir():
         (survival / item.name).symlink_to(item)
+    return results, survival
+
+
+def test_the_primary_test_goes_stale(tmp_path: Path) -> None:
+    """Two more fp32pv runaways (8 of 8 against 4 of 8: Fisher p = 0.077): "below 0.05" is stale."""
+    results, survival = survival_by_link(tmp_path)
     calm = [f for f in sorted(survival.glob("fp32pv-s[0-9]")) if runaway_step(load_run(f)) is None]
     for folder in calm[:2]:  # the same seed's bf16rowsum run, which ran away, in its place
         folder.unlink()
@@ -188,12 +195,7 @@ def test_the_primary_test_goes_stale(tmp_path: Path) -> None:
 def test_sooner_at_half_the_rate_goes_stale(tmp_path: Path) -> None:
     """paper64's survival run of seed 1 replaced by bf16rowsum's (a runaway at 1,150, the step of paper64's
     half-rate run of that seed, not after it): "sooner at half the rate in each seed" is stale."""
-    results = synthetic(tmp_path)
-    survival = results / "explode" / "survival"
-    survival.unlink()
-    survival.mkdir()
-    for item in (EXPLODE / "survival").iterdir():
-        (survival / item.name).symlink_to(item)
+    results, survival = survival_by_link(tmp_path)
     (survival / "paper64-s1").unlink()
     (survival / "paper64-s1").symlink_to(EXPLODE / "survival" / "bf16rowsum-s1")
     forget()

@@ -32,6 +32,7 @@ from lowprec.analysis import (
     largest_logit,
     log_rank,
     log_rank_range,
+    outcome,
     outcomes,
     recipe,
     recipe_label,
@@ -349,7 +350,7 @@ def primary_test(results: Path = RESULTS) -> PrimaryTest:
 SECONDARY_CONTROLS = ("fa2", "model-fp32")  # the production placement; no bf16 anywhere
 
 
-@dataclass
+@dataclass(frozen=True)
 class SecondaryTest:
     """One of the survival study's secondary tests, as PROTOCOL registered them: an arm's runaways by the
     horizon against a control's (`arms`), the exact log-rank p (`analysis.log_rank`), corrected (Bonferroni)
@@ -393,22 +394,14 @@ class SecondaryTest:
         return min(1.0, low * self.tests), min(1.0, high * self.tests)
 
 
-def by_horizon(run: RunFacts, end: int) -> Outcome:
-    """A study run's `analysis.Outcome` at the horizon `end`."""
-    explosion = run.explosion if run.explosion is not None and run.explosion < end else None
-    observed = end if explosion is None else explosion
-    went = run.runaway is not None and run.runaway <= observed
-    return Outcome(run.runaway if went else None, run.first_layer if went else None, explosion, observed)
-
-
 def secondary_tests(results: Path = RESULTS) -> list[SecondaryTest]:
     """The survival queue's secondary tests that its records allow (each arm against each control of
     `SECONDARY_CONTROLS` recorded, one test per pair of arms), smallest p first."""
     path = Path(results) / "explode" / "survival" / "queue.json"
     queue = study.load_queue(path)
     planned = collections.Counter(row["group"] for row in study.states(queue, path.parent, None))
-    groups = study_groups("survival", results)
-    arms = {group: [by_horizon(r, queue["horizon"]) for r in groups[group]]
+    groups, records = study_groups("survival", results), explode_records(results)
+    arms = {group: [outcome(records[r.name], queue["horizon"]) for r in groups[group]]
             for group in planned if group in groups}
     pairs = [(arm, control) for arm in arms for control in SECONDARY_CONTROLS
              if control in arms and control != arm]
