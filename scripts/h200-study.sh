@@ -25,9 +25,9 @@
 #                                  alone; the study spreads its runs over the GPUs); after
 #                                  a probe (waited for, at most PROBE_WAIT_S=120 s) ARM's estimate is its
 #                                  projected time + 60 s; END_AT=<epoch seconds> in place of MINUTES: the
-#                                  whole minutes from the probe's end to then (the device budget's end, less
-#                                  the time the last pack needs); a queue whose study fails (a run ended
-#                                  without an outcome) ends the go
+#                                  go ends then (the device budget's end, less the time the last pack needs),
+#                                  each queue's study getting the seconds left less 30; a queue whose study
+#                                  fails (a run ended without an outcome) ends the go
 #   PHASE=wait [WAIT_S=540]        waits for go to end or WAIT_S seconds (or until 580 s after CALL_START, the
 #                                  call's start in seconds since the epoch, if set), then packs (below)
 #   PHASE=pack                     $OUT/<queue folder>.tgz (the study's records, no checkpoints), $OUT/repro.tgz,
@@ -104,12 +104,14 @@ print(2 if gain >= float(sys.argv[2]) else 1)' "$WORK" "${PAIR_GAIN:-1.4}" || ec
     export SLOTS
   fi
   if [ -n "${END_AT:-}" ]; then
-    MINUTES=$(( (END_AT - $(date +%s)) / 60 ))
-    echo "minutes to END_AT: $MINUTES"
+    END=$END_AT
+    echo "seconds to END_AT: $(( END_AT - $(date +%s) ))"
+  else
+    END=$(( $(date +%s) + MINUTES * 60 ))
   fi
   # shellcheck disable=SC2016
   setsid nohup bash -c '
-    set -u; end=$(( $(date +%s) + $1 * 60 )); work=$2
+    set -u; end=$1; work=$2
     if [ "${REPRO:-0}" = 1 ]; then
       python3 -m lowprec.cli measure reproducibility --steps 1000 --probe --runs-dir "$work/repro" \
         --out "$work/reproducibility.json" --set lr=2e-3 --set warmup_iters=200 --set lr_decay_iters=30000 \
@@ -117,10 +119,10 @@ print(2 if gain >= float(sys.argv[2]) else 1)' "$WORK" "${PAIR_GAIN:-1.4}" || ec
     fi
     slots=${SLOTS:-1}; first=1
     for queue in $3; do
-      left=$(( (end - $(date +%s)) / 60 - 1 ))
+      left=$(( end - $(date +%s) - 30 ))  # seconds; 30 for a study to stop its runs and write its log
       [ "$left" -gt 0 ] || break
-      minutes=$left
-      [ "$first" = 1 ] && [ -n "${FIRST:-}" ] && [ "$FIRST" -lt "$left" ] && minutes=$FIRST
+      minutes=$(awk -v s="$left" "BEGIN { printf \"%.2f\", s / 60 }")
+      [ "$first" = 1 ] && [ -n "${FIRST:-}" ] && [ $(( FIRST * 60 )) -lt "$left" ] && minutes=$FIRST
       first=0
       extra=()  # the measured estimate goes to the queue that has its arm
       [ $# -gt 4 ] && grep -q "\"arm\": \"$4\"" "$queue" && extra=("${@:5}")
@@ -129,7 +131,7 @@ print(2 if gain >= float(sys.argv[2]) else 1)' "$WORK" "${PAIR_GAIN:-1.4}" || ec
       python3 -m lowprec.cli experiment study --queue "$queue" --out "$work/$name" --minutes "$minutes" \
         --slots "$slots" "${extra[@]}" || break  # a run ended without an outcome: the next queue would too
     done
-  ' go "$MINUTES" "$WORK" "$QUEUE" "${ARM:-model-fp32}" "${estimate[@]}" > "$WORK/go.log" 2>&1 < /dev/null &
+  ' go "$END" "$WORK" "$QUEUE" "${ARM:-model-fp32}" "${estimate[@]}" > "$WORK/go.log" 2>&1 < /dev/null &
   echo $! > "$WORK/go.pid"
   echo "started (pid $!)" ;;
 wait|pack)
