@@ -17,6 +17,7 @@ from lowprec.analysis import (
     log_rank_range,
     lr_sweep,
     outcome,
+    sign_test,
     stratified_p,
     survival_table,
     wilson,
@@ -92,6 +93,15 @@ def test_fisher_exact_matches_hand_counts() -> None:
     assert fisher_p(5, 8, 0, 8) == fisher_p(0, 8, 5, 8)
     with pytest.raises(ValueError, match="k <= n"):
         fisher_p(4, 3, 0, 3)
+
+
+def test_sign_test_counts_coin_flips() -> None:
+    """3 of 3 one way: 2/8; 9 of 10: 2 * 11/1024; 5 of 10 (or 0 of 0): 1; k is checked."""
+    assert sign_test(3, 3) == sign_test(0, 3) == 0.25
+    assert sign_test(9, 10) == sign_test(1, 10) == pytest.approx(22 / 1024)
+    assert sign_test(5, 10) == sign_test(0, 0) == 1.0
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        sign_test(4, 3)
 
 
 def test_stratified_p_counts_a_seed_once() -> None:

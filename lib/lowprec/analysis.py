@@ -488,6 +488,14 @@ def fisher_p(k1: int, n1: int, k2: int, n2: int) -> float:
     return min(1.0, sum(p for p in tables.values() if p <= observed * (1 + 1e-9)))
 
 
+def sign_test(k: int, n: int) -> float:
+    """Two-sided sign test: for coin flips, the chance of k or more of n pairs one way, or as many the other
+    way."""
+    if not 0 <= k <= n:
+        raise ValueError(f"sign_test needs 0 <= k <= n, got {k} of {n}")
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(max(k, n - k), n + 1)) / 2**n)
+
+
 def stratified_p(strata: list[tuple[int, int, int, int]]) -> float:
     """Two-sided p of the exact stratified test (the exact form of Cochran-Mantel-Haenszel's) for strata of
     (k1, n1, k2, n2), e.g. one per seed: k1 of n1 runs of one group against k2 of n2 of the other within each

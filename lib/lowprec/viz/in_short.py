@@ -175,9 +175,10 @@ def what_to_change(results: Path = RESULTS) -> str:
     study_fp32pv = survival["fp32pv"]  # an fp32 row sum at the recipe's batch
     claim(tally(study_fp32pv, "runaway")[0] > 0, "an fp32 row sum ran away in the study")
     trained = {arm: survival[arm] for arm in ("fa2", "fa2-consistent")}
-    went_both = [sum(bool(r.runaway and r.explosion) for r in group) for group in trained.values()]
-    claim(went_both == [0, 1] and len(trained["fa2"]) >= 4 and len(trained["fa2-consistent"]) == 2,
-          "fa2-consistent: 1 of 2 ran away and exploded, fa2 in none of its runs")
+    went = [tally(group, "runaway")[0] for group in trained.values()]
+    stops = tally(trained["fa2-consistent"], "explosion")[0]
+    claim(went[0] == 0 and went[1] > 0 and stops > 0 and len(trained["fa2"]) >= 4,
+          "fa2-consistent: some runs ran away, one or more exploded; fa2 in none of its runs")
     return (
         "**What to change, in short** (each point is measured below and in chapter 3):\n\n"
         "- **With FlashAttention-2, SDPA or cuDNN the row sum $\\ell$ is already fp32**: they round as the "
@@ -192,5 +193,6 @@ def what_to_change(results: Path = RESULTS) -> str:
         "of one seed each are not a rate.\n"
         "- **`consistent` is this library's option**, a custom kernel (our Triton kernel's "
         "`precision=\"consistent\"`), not a setting of those kernels. It removes the production placement's "
-        f"rounding bias, but in bf16 training `fa2-consistent` ran away and exploded in {went_both[1]} of "
-        f"{len(trained['fa2-consistent'])} runs, against {went_both[0]} of {len(trained['fa2'])} for `fa2`.")
+        f"rounding bias, but in bf16 training `fa2-consistent` ran away in {went[1]} of "
+        f"{len(trained['fa2-consistent'])} runs ({stops} of them then exploded), against {went[0]} of "
+        f"{len(trained['fa2'])} for `fa2`.")
