@@ -408,6 +408,8 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     assert in_short.growing_heads() is in_short.growing_heads(), "the criterion records are read once"
     box = in_short.what_to_change()
     assert box.startswith("**What to change, in short**") and "0 of 12 runs ran away" in box
+    authors = next(test for test in secondary_tests() if test.arms == ("paper64", "fa2"))
+    assert f"`fa2` in 0 of 8 (a secondary test, corrected p = {authors.corrected:.2g})" in box
     fp32pv = [load_run(f) for f in sorted((EXPLODE / "survival").glob("fp32pv-s[0-9]"))]
     went = sum(runaway_step(r) is not None for r in fp32pv)
     assert went and f"in {went} of {len(fp32pv)} runs of chapter 3's study at 32,768 (`fp32pv`)" in box

@@ -28,6 +28,7 @@ from lowprec.viz.bottom_line import (
     horizon,
     qk_pairs,
     run_rows,
+    secondary_tests,
     study_groups,
     tally,
 )
@@ -179,11 +180,15 @@ def what_to_change(results: Path = RESULTS) -> str:
     stops = tally(trained["fa2-consistent"], "explosion")[0]
     claim(went[0] == 0 and went[1] > 0 and stops > 0 and len(trained["fa2"]) >= 4,
           "fa2-consistent: some runs ran away, one or more exploded; fa2 in none of its runs")
+    authors = next(test for test in secondary_tests(results) if test.arms == ("paper64", "fa2"))
+    claim(authors.corrected < 0.05 and not authors.to_come, "paper64 against fa2: final, below 5% corrected")
+    (paper_k, paper_n), (fa2_k, fa2_n) = authors.counts
     return (
         "**What to change, in short** (each point is measured below and in chapter 3):\n\n"
         "- **With FlashAttention-2, SDPA or cuDNN the row sum $\\ell$ is already fp32**: they round as the "
         "`fa2` placement does, only $\\bar P$ and the output (chapter 2); the bf16 row sum is the authors' "
-        "placement's.\n"
+        f"placement's. In chapter 3's study the authors' placement ran away in {paper_k} of {paper_n} runs "
+        f"and `fa2` in {fa2_k} of {fa2_n} (a secondary test, corrected p = {authors.corrected:.2g}).\n"
         "- **QK-LayerNorm is the only change run at several learning rates with no runaway at any of them**: "
         f"{tally(normed_runs, 'runaway')[0]} of {len(normed_runs)} runs ran away, one seed per placement and "
         "rate (" + ", ".join(f"`{arm}` at {n} rates" for arm, n in per_placement.items())
