@@ -192,6 +192,22 @@ def test_the_primary_test_goes_stale(tmp_path: Path) -> None:
         bottom_line(results)
 
 
+def test_the_settled_secondary_tests_go_stale(tmp_path: Path) -> None:
+    """paper64's runaways of seeds 5, 7 and 8 replaced by those seeds' calm fa2 runs (4 of 8 against 0 of 8):
+    "paper64 against fa2 below 5%, corrected" is stale, in the bottom line and in chapter 5's box."""
+    from lowprec.viz import in_short
+
+    results, survival = survival_by_link(tmp_path)
+    for seed in (5, 7, 8):
+        (survival / f"paper64-s{seed}").unlink()
+        (survival / f"paper64-s{seed}").symlink_to(EXPLODE / "survival" / f"fa2-s{seed}")
+    forget()
+    with pytest.raises(StaleClaim, match="two secondary tests below 5%, bf16rowsum and paper64 against fa2"):
+        bottom_line(results)
+    with pytest.raises(StaleClaim, match="paper64 against fa2: final, below 5% corrected"):
+        in_short.what_to_change(results)
+
+
 def test_sooner_at_half_the_rate_goes_stale(tmp_path: Path) -> None:
     """paper64's survival run of seed 1 replaced by bf16rowsum's (a runaway at 1,150, the step of paper64's
     half-rate run of that seed, not after it): "sooner at half the rate in each seed" is stale."""
