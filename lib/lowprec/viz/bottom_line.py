@@ -199,8 +199,8 @@ def select(runs: dict[str, RunFacts], arm: str, tokens: int = SMALL, corpus: str
             and (r.steps >= MIN_STEPS or r.explosion is not None)]
 
 
-def tally(runs: list[RunFacts], event: str) -> tuple[int, int]:
-    """(runs with `event`: "runaway", "spike" or "explosion"; runs)."""
+def tally(runs: list[RunFacts] | list[Outcome], event: str) -> tuple[int, int]:
+    """(runs with `event`: "runaway", "spike" or "explosion" (an `Outcome` has no spike); runs)."""
     return sum(getattr(r, event) is not None for r in runs), len(runs)
 
 
@@ -365,7 +365,7 @@ class SecondaryTest:
 
     @property
     def counts(self) -> list[tuple[int, int]]:
-        return [(sum(o.runaway is not None for o in group), len(group)) for group in self.outcomes]
+        return [tally(group, "runaway") for group in self.outcomes]
 
     @property
     def corrected(self) -> float:
@@ -698,8 +698,7 @@ def bottom_line(results: Path = RESULTS) -> str:
           "attn-fp32 and model-fp32: every survival run reached the horizon without a runaway")
     cons_went = [r for r in cons_fa2 if r.runaway is not None]
     cons_stops = [r for r in cons_went if r.explosion is not None]
-    claim(cons_stops and all(r.runaway is not None for r in cons_fa2 if r.explosion is not None) and plain_fa2
-          and not any(r.runaway for r in plain_fa2),
+    claim(cons_stops and plain_fa2 and not any(r.runaway for r in plain_fa2),  # a runaway before each: above
           "fa2-consistent: some survival runs ran away, one or more then exploded; fa2 in none")
     plain, cons = runs["kbit3/kbit3-s3"], runs["kbit3c/kbit3-consistent-s3"]
     claim(plain.spike is not None and cons.spike is None and cons.runaway is not None,
