@@ -273,9 +273,21 @@ def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
             for normed in with_it for plain in without if plain.seed == normed.seed]
 
 
-def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS) -> float:
-    """The median training tokens/s of some study runs (each alone on one H200, deterministic mode)."""
-    summaries = [explode_records(results)[r.name].summary for r in runs]
+TIMING_DEVICE = "NVIDIA H200"  # speeds compare runs made on this GPU only (study runs came on H100s too)
+
+
+def made_on(runs: list[RunFacts], device: str = TIMING_DEVICE, results: Path = RESULTS) -> list[RunFacts]:
+    """The runs among `runs` whose record's provenance names `device`."""
+    return [r for r in runs if explode_records(results)[r.name].provenance.get("device") == device]
+
+
+def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS, device: str = TIMING_DEVICE) -> float:
+    """The median training tokens/s of the study runs among `runs` made on `device` (each alone on it,
+    deterministic mode). ValueError when none was."""
+    timed = made_on(runs, device, results)
+    if not timed:
+        raise ValueError(f"tokens_per_s: none of {[r.name for r in runs]} ran on {device}")
+    summaries = [explode_records(results)[r.name].summary for r in timed]
     return statistics.median(summary["tokens"] / summary["time_s"] for summary in summaries)
 
 
@@ -715,7 +727,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"that have a same-seed twin without it ended with the lower loss "
         f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one "
         f"change here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`, "
-        f"{fp32_cost:.1f} times `fa2`'s training time per token here): it ran away in none of its "
+        f"{fp32_cost:.1f} times `fa2`'s training time per token on the H200): it ran away in none of its "
         f"{len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps at half and twice "
         f"it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model with no bf16 "
         f"anywhere (`model-fp32`) in none of its {len(fp32_model) + control} ({len(fp32_model)} at the "
