@@ -28,12 +28,12 @@ from lowprec.viz.bottom_line import (
     explode_runs,
     hunt_records,
     lr_finding,
-    made_on,
     record_runs,
     run_rows,
     secondary_tests,
     shared_spikes,
     study_groups,
+    timed_runs,
     tokens_per_s,
     twins,
 )
@@ -407,18 +407,23 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
 
 def test_tokens_per_s_is_the_median_over_the_records_of_one_gpu() -> None:
     """The training speed the bottom line and Symptoms compare, read from the runs' summaries directly, over
-    the runs made on the H200 only: `fa2`'s survival runs came on H100s and H200s."""
+    the runs made on one GPU (the H200 unless named) and compiled whole: `fa2`'s survival runs came on H100s
+    and H200s, and some of `bf16rowsum`'s on the H100 were compiled in pieces."""
     runs = study_groups()["fa2"]
     summaries = [json.loads((EXPLODE / r.name / "summary.json").read_text()) for r in runs]
     gpus = [json.loads((EXPLODE / r.name / "config.json").read_text())["provenance"]["device"] for r in runs]
     on = [s for s, gpu in zip(summaries, gpus, strict=True) if gpu == "NVIDIA H200"]
-    assert 0 < len(on) < len(runs) and len(made_on(runs)) == len(on), "both GPUs among fa2's runs"
+    assert 0 < len(on) < len(runs) and len(timed_runs(runs)) == len(on), "both GPUs among fa2's runs"
     assert tokens_per_s(runs) == statistics.median(s["tokens"] / s["time_s"] for s in on)
     assert tokens_per_s(runs) != statistics.median(s["tokens"] / s["time_s"] for s in summaries)
-    h100 = [r for r in runs if r not in made_on(runs)]
+    h100 = [r for r in runs if r not in timed_runs(runs)]
     with pytest.raises(ValueError, match="ran on NVIDIA H200"):
         tokens_per_s(h100)
     assert tokens_per_s(h100, device="NVIDIA H100 80GB HBM3") > 0
+    rowsum = {r.seed: r for r in study_groups()["bf16rowsum"]}  # on the H100: seeds 3-6 in pieces, 7-8 whole
+    whole = [json.loads((EXPLODE / rowsum[seed].name / "summary.json").read_text()) for seed in (7, 8)]
+    assert tokens_per_s(list(rowsum.values()), device="NVIDIA H100 80GB HBM3") == \
+        statistics.median(s["tokens"] / s["time_s"] for s in whole)
     fp32 = tokens_per_s(study_groups()["attn-fp32"])
     assert f"{tokens_per_s(runs) / fp32:.1f} times `fa2`'s training time per token on the H200" \
         in bottom_line()

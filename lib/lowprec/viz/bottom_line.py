@@ -276,17 +276,19 @@ def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
 TIMING_DEVICE = "NVIDIA H200"  # speeds compare runs made on this GPU only (study runs came on H100s too)
 
 
-def made_on(runs: list[RunFacts], device: str = TIMING_DEVICE, results: Path = RESULTS) -> list[RunFacts]:
-    """The runs among `runs` whose record's provenance names `device`."""
-    return [r for r in runs if explode_records(results)[r.name].provenance.get("device") == device]
+def timed_runs(runs: list[RunFacts], device: str = TIMING_DEVICE, results: Path = RESULTS) -> list[RunFacts]:
+    """The runs among `runs` whose speeds compare: made on `device` (their record's provenance) and compiled
+    whole (`study.broke_graphs`)."""
+    return [r for r in runs if explode_records(results)[r.name].provenance.get("device") == device
+            and study.broke_graphs(Path(results) / "explode" / r.name) is False]
 
 
 def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS, device: str = TIMING_DEVICE) -> float:
-    """The median training tokens/s of the study runs among `runs` made on `device` (each alone on it,
-    deterministic mode). ValueError when none was."""
-    timed = made_on(runs, device, results)
+    """The median training tokens/s of the `timed_runs` among study runs (each alone on its GPU, deterministic
+    mode). ValueError when there is none."""
+    timed = timed_runs(runs, device, results)
     if not timed:
-        raise ValueError(f"tokens_per_s: none of {[r.name for r in runs]} ran on {device}")
+        raise ValueError(f"tokens_per_s: none of {[r.name for r in runs]} ran on {device} compiled whole")
     summaries = [explode_records(results)[r.name].summary for r in timed]
     return statistics.median(summary["tokens"] / summary["time_s"] for summary in summaries)
 
