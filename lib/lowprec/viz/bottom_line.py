@@ -276,7 +276,7 @@ def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
 TIMING_DEVICE = "NVIDIA H200"  # speeds compare runs made on this GPU only (study runs came on H100s too)
 
 
-def timed_runs(runs: list[RunFacts], device: str = TIMING_DEVICE, results: Path = RESULTS) -> list[RunFacts]:
+def timed_runs(runs: list[RunFacts], results: Path = RESULTS, device: str = TIMING_DEVICE) -> list[RunFacts]:
     """The runs among `runs` whose speeds compare: made on `device` (their record's provenance) and compiled
     whole (`study.broke_graphs`)."""
     return [r for r in runs if explode_records(results)[r.name].provenance.get("device") == device
@@ -286,7 +286,7 @@ def timed_runs(runs: list[RunFacts], device: str = TIMING_DEVICE, results: Path 
 def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS, device: str = TIMING_DEVICE) -> float:
     """The median training tokens/s of the `timed_runs` among study runs (each alone on its GPU, deterministic
     mode). ValueError when there is none."""
-    timed = timed_runs(runs, device, results)
+    timed = timed_runs(runs, results, device)
     if not timed:
         raise ValueError(f"tokens_per_s: none of {[r.name for r in runs]} ran on {device} compiled whole")
     summaries = [explode_records(results)[r.name].summary for r in timed]
