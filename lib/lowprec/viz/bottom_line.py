@@ -279,8 +279,9 @@ TIMING_DEVICE = "NVIDIA H200"  # speeds compare runs made on this GPU only (stud
 def timed_runs(runs: list[RunFacts], results: Path = RESULTS, device: str = TIMING_DEVICE) -> list[RunFacts]:
     """The runs among `runs` whose speeds compare: made on `device` (their record's provenance) and compiled
     whole (`study.broke_graphs`)."""
-    return [r for r in runs if explode_records(results)[r.name].provenance.get("device") == device
-            and study.broke_graphs(Path(results) / "explode" / r.name) is False]
+    records = explode_records(results)
+    return [r for r in runs if records[r.name].provenance.get("device") == device
+            and study.broke_graphs(records[r.name].path) is False]
 
 
 def tokens_per_s(runs: list[RunFacts], results: Path = RESULTS, device: str = TIMING_DEVICE) -> float:
