@@ -413,10 +413,11 @@ def test_tokens_per_s_is_the_median_over_the_records_of_one_gpu() -> None:
     summaries = [json.loads((EXPLODE / r.name / "summary.json").read_text()) for r in runs]
     gpus = [json.loads((EXPLODE / r.name / "config.json").read_text())["provenance"]["device"] for r in runs]
     on = [s for s, gpu in zip(summaries, gpus, strict=True) if gpu == "NVIDIA H200"]
-    assert 0 < len(on) < len(runs) and len(timed_runs(runs)) == len(on), "both GPUs among fa2's runs"
+    timed = timed_runs(runs)
+    assert 0 < len(on) < len(runs) and len(timed) == len(on), "both GPUs among fa2's runs"
     assert tokens_per_s(runs) == statistics.median(s["tokens"] / s["time_s"] for s in on)
     assert tokens_per_s(runs) != statistics.median(s["tokens"] / s["time_s"] for s in summaries)
-    h100 = [r for r in runs if r not in timed_runs(runs)]
+    h100 = [r for r in runs if r not in timed]
     with pytest.raises(ValueError, match="ran on NVIDIA H200"):
         tokens_per_s(h100)
     assert tokens_per_s(h100, device="NVIDIA H100 80GB HBM3") > 0
@@ -472,3 +473,16 @@ def test_seed_ranges_says_numbers_in_words():
     assert {seeds: seed_ranges(list(seeds)) for seeds in cases} == cases
     with pytest.raises(ValueError, match="at least one"):
         seed_ranges([])
+
+
+def test_corrected_if_calm_adds_calm_runs_to_the_second_arm() -> None:
+    """The secondary test's corrected p were the control's runs so many, the ones to come censored at the
+    horizon: with none to add it is the test's own; more calm runs make it no larger."""
+    test = next(t for t in secondary_tests() if t.arms == ("bf16rowsum", "model-fp32"))
+    made = len(test.outcomes[1])
+    assert test.corrected_if_calm(made) == test.corrected
+    calm = [test.corrected_if_calm(n) for n in range(made, made + 3)]
+    assert calm == sorted(calm, reverse=True) and calm[-1] < calm[0]
+    rowsum = event_times(test.outcomes[0], "runaway")
+    assert calm[1] == min(1.0, log_rank(rowsum, ([test.horizon] * (made + 1), [False] * (made + 1)))[1]
+                          * test.tests), "every model-fp32 run so far is calm at the horizon"
