@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup book test lab lint clean
+.PHONY: setup clear-stale book test lab lint clean
 
 # Every Python process these targets start imports _ext/startup/sitecustomize.py (it spares them an unused
 # 2-second import); a PYTHONPATH of your own stays after it.
@@ -23,17 +23,25 @@ setup: $(STAMP)
 
 # The execution cache is keyed on the chapters' text only, and Sphinx re-reads only the chapters whose text
 # changed: when the library or a recorded result is newer than the last build, drop both (so the site never
-# shows outputs computed from an old library or record). The protocols (results/*/PROTOCOL.md, written before
-# every GPU run) are cited by the chapters, never read by them, so they do not count. The chapters the cache
-# lacks are executed first, two at a time on one thread each (_ext/execute_chapters.py); the build then
-# renders them from the cache.
+# shows outputs computed from an old library or record), and the run cache with them. The protocols
+# (results/*/PROTOCOL.md, written before every GPU run) are cited by the chapters, never read by them, so they
+# do not count. The chapters the cache lacks are executed first, two at a time on one thread each
+# (_ext/execute_chapters.py); the build then renders them from the cache.
 LAST_BUILD := _build/.doctrees/environment.pickle
-# The pages read the same ~70 run records: the first process to parse one keeps it here for the others.
-export LOWPREC_RUN_CACHE ?= $(abspath _build/run-cache)
-book: setup
+# The pages read the same ~150 run records: the first process to parse one keeps it here for the others.
+RUN_CACHE := _build/run-cache
+export LOWPREC_RUN_CACHE ?= $(abspath $(RUN_CACHE))
+
+# Any process that reads records meanwhile (a JupyterLab kernel, the tests) may keep a run in the run cache,
+# and `rm -rf` of a folder that gains a file fails ("Directory not empty"): the folder is moved aside first (no
+# new file can reach it then) and removed there.
+clear-stale:
 	@if [ -f $(LAST_BUILD) ] && [ -n "$$( { find lib -name '*.py' -newer $(LAST_BUILD); \
 		find results -type f ! -name PROTOCOL.md -newer $(LAST_BUILD); } | head -1)" ]; then \
-		rm -rf _build/.jupyter_cache _build/.doctrees _build/run-cache; fi
+		rm -rf _build/.jupyter_cache _build/.doctrees $(RUN_CACHE).old; \
+		if [ -d $(RUN_CACHE) ]; then mv $(RUN_CACHE) $(RUN_CACHE).old && rm -rf $(RUN_CACHE).old; fi; fi
+
+book: setup clear-stale
 	BOOK_BUILD=1 TRITON_INTERPRET=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) _ext/execute_chapters.py \
 		--cache _build/.jupyter_cache --jobs 2 book/*.md
 	BOOK_BUILD=1 TRITON_INTERPRET=1 $(VENV)/bin/jupyter-book build -W -n --keep-going .

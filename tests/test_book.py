@@ -11,11 +11,14 @@ draw and widgets that did not render.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.server
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -64,7 +67,8 @@ def build() -> Build:
     if index.exists() and index.stat().st_mtime >= newest_source_time():
         return Build(ok=True, log="")
     started = time.time()
-    result = subprocess.run(["make", "book"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    env = {k: v for k, v in os.environ.items() if k != "LOWPREC_RUN_CACHE"}  # the build's own (Makefile)
+    result = subprocess.run(["make", "book"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode == 0:
         # a no-op rebuild leaves old pages in place: they are current as of the start (not of now, so that a
         # source changed during the build is newer, and the next session builds again)
@@ -117,6 +121,52 @@ def test_each_chapter_executes_once(build: Build) -> None:
     assert set(executed) <= set(cached), "every chapter executed beforehand is rendered from the cache"
     if not failed:
         assert "Executing notebook" not in build.log, "the build executed a chapter again"
+
+
+
+def test_stale_caches_go_while_a_reader_keeps_runs(tmp_path: Path) -> None:
+    """`make clear-stale` (the start of `make book`) drops the caches when the library is newer than the last
+    build while another process keeps runs in the run cache (a JupyterLab kernel, a test: `rm -rf` of a folder
+    that gains a file fails), and keeps them when the build is current."""
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    for folder in ("lib", "results"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "lib" / "model.py").write_text("")
+    out = tmp_path / "_build"
+    cache, executed = out / "run-cache", out / ".jupyter_cache"
+    last = out / ".doctrees" / "environment.pickle"  # LAST_BUILD
+    stop = threading.Event()
+
+    def reader() -> None:  # keeps one run after another, as `runs.load_run` does under $LOWPREC_RUN_CACHE
+        for n in itertools.count():
+            if stop.is_set():
+                return
+            with contextlib.suppress(OSError):
+                cache.mkdir(parents=True, exist_ok=True)
+                (cache / f"{n}.pickle").write_bytes(b"run")
+
+    def clear_stale(built: float) -> None:
+        for folder in (executed, last.parent):
+            folder.mkdir(parents=True, exist_ok=True)
+        last.touch()
+        os.utime(last, (built, built))
+        result = subprocess.run(["make", "-s", "clear-stale"], cwd=tmp_path, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stderr
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(10):
+            clear_stale(built=0)  # older than lib/model.py
+            assert not executed.exists() and not last.exists() and not (out / "run-cache.old").exists()
+    finally:
+        stop.set()
+        thread.join()
+    cache.mkdir(exist_ok=True)
+    (cache / "kept.pickle").write_bytes(b"run")
+    clear_stale(built=time.time() + 60)  # newer than every source: nothing dropped
+    assert executed.is_dir() and last.is_file() and (cache / "kept.pickle").is_file()
 
 
 ON_GPU = torch.cuda.is_available()

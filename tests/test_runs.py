@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from lowprec.runs import (
+    RUN_CACHE,
     RunLockedError,
     RunRecordError,
     RunWriter,
@@ -306,3 +307,10 @@ def test_resume_repairs_a_torn_event_line_and_refuses_a_broken_history(tmp_path)
     (tmp_path / "b" / "metrics.jsonl").unlink()
     with pytest.raises(RunRecordError, match=r"metrics.jsonl is missing \(resuming would lose the run's"):
         RunWriter(tmp_path / "b", CONFIG, resume=True)  # not RunLockedError: the refusal released the lock
+
+
+def test_the_tests_keep_runs_in_a_cache_of_their_own(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under `make test` (which exports the book's $LOWPREC_RUN_CACHE) the runs the tests parse are kept in
+    the test session's folder (tests/conftest.py), where they go with it."""
+    kept = Path(os.environ[RUN_CACHE])
+    assert kept.is_relative_to(tmp_path_factory.getbasetemp())
