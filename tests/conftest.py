@@ -5,7 +5,7 @@ once on one worker, and the JupyterLab test (the next longest) at once on the ot
 site build). Every kernel the tests start polls its channels in one-second slices
 (_ext/kernel_poll.py: a missed wake-up otherwise stalls a notebook test for its whole cell timeout). The runs
 the tests read are kept in a run cache of the test session's own (`run_cache`), not in the one `make` exports
-for the book: the tests' temporary records would stay there, about 150 MB a `make test`."""
+for the book: the tests' temporary records would stay there, about 100 MB a `make test`."""
 
 from __future__ import annotations
 

@@ -123,7 +123,6 @@ def test_each_chapter_executes_once(build: Build) -> None:
         assert "Executing notebook" not in build.log, "the build executed a chapter again"
 
 
-
 def test_stale_caches_go_while_a_reader_keeps_runs(tmp_path: Path) -> None:
     """`make clear-stale` (the start of `make book`) drops the caches when the library is newer than the last
     build while another process keeps runs in the run cache (a JupyterLab kernel, a test: `rm -rf` of a folder
