@@ -382,9 +382,13 @@ class SecondaryTest:
     def counts(self) -> list[tuple[int, int]]:
         return [tally(group, "runaway") for group in self.outcomes]
 
+    def bonferroni(self, p: float) -> float:
+        """`p` corrected for the `tests` secondary tests."""
+        return min(1.0, p * self.tests)
+
     @property
     def corrected(self) -> float:
-        return min(1.0, self.p * self.tests)
+        return self.bonferroni(self.p)
 
     @property
     def label(self) -> str:
@@ -406,14 +410,14 @@ class SecondaryTest:
         (times, events), extra = event_times(self.outcomes[1], "runaway"), runs - len(self.outcomes[1])
         p = log_rank(event_times(self.outcomes[0], "runaway"), (times + [self.horizon] * extra,
                                                                 events + [False] * extra))[1]
-        return min(1.0, p * self.tests)
+        return self.bonferroni(p)
 
     def ends(self) -> tuple[float, float]:
         """The corrected p's range over every outcome of the two arms' runs still to be made
         (`analysis.log_rank_range`)."""
         low, high = log_rank_range(*(event_times(group, "runaway") for group in self.outcomes), *self.more,
                                    self.horizon)
-        return min(1.0, low * self.tests), min(1.0, high * self.tests)
+        return self.bonferroni(low), self.bonferroni(high)
 
 
 def secondary_tests(results: Path = RESULTS) -> list[SecondaryTest]:
