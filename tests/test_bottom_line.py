@@ -327,7 +327,7 @@ def test_lr_finding_against_the_folders() -> None:
     seeds_at_high = sorted({sum(f.name.startswith(f"{arm}-lr") for f in at["8e-3"])
                             for arm in ("fa2", "paper64", "attn-fp32")})
     assert went["8e-3"] and len(went["8e-3"]) == len(at["8e-3"]) and seeds_at_high == [1, 2]
-    assert f"({len(at['8e-3'])} of {len(at['8e-3'])} runs, 1 or 2 seeds per placement)" in text
+    assert f"({len(at['8e-3'])} of {len(at['8e-3'])} runs, one or two seeds per placement)" in text
     assert f"{len(went['4e-3'])} of {len(at['4e-3'])} did" in text and went["4e-3"] == ["paper64-lr4e-3-s1"]
     seeds = sorted({int(f.name.rsplit("-s", 1)[1]) for f in at["1e-3"]})
     assert seeds == [1, 2, 3, 4]
@@ -440,7 +440,7 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     assert in_short.growing_heads().hits == (3, 4, 2, 20)
     assert in_short.growing_heads() is in_short.growing_heads(), "the criterion records are read once"
     box = in_short.what_to_change()
-    assert box.startswith("**What to change, in short**") and "0 of 12 runs ran away" in box
+    assert box.startswith("**What to change, in short**") and "0 of 13 runs ran away" in box
     authors = next(test for test in secondary_tests() if test.arms == ("paper64", "fa2"))
     assert f"`fa2` in 0 of 8 (a secondary test, corrected p = {authors.corrected:.2g})" in box
     fp32pv = [load_run(f) for f in sorted((EXPLODE / "survival").glob("fp32pv-s[0-9]"))]
@@ -473,6 +473,17 @@ def test_seed_ranges_says_numbers_in_words():
     assert {seeds: seed_ranges(list(seeds)) for seeds in cases} == cases
     with pytest.raises(ValueError, match="at least one"):
         seed_ranges([])
+
+def test_seeds_per_cell_says_the_runs_per_cell_in_words():
+    from lowprec.viz.bottom_line import seeds_per_cell
+
+    cases = {(1, 1): "one seed", (2,): "two seeds", (1, 2, 2): "one or two seeds",
+             (2, 4, 3): "two to four seeds", (1, 3): "one to three seeds"}
+    assert {sizes: seeds_per_cell([[0] * n for n in sizes]) for sizes in cases} == cases
+    for sizes in ((), (0, 1), (11,)):
+        with pytest.raises(ValueError, match="cells of 1 to 10 runs"):
+            seeds_per_cell([[0] * n for n in sizes])
+
 
 
 def test_corrected_if_calm_adds_calm_runs_to_the_second_arm() -> None:

@@ -98,6 +98,20 @@ def seed_ranges(seeds: list[int]) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
+NUMBER_WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def seeds_per_cell(cells: Iterable[list]) -> str:
+    """How many runs (seeds) the cells hold, in words: "one seed", "one or two seeds", "two to four seeds"."""
+    sizes = sorted({len(cell) for cell in cells})
+    if not sizes or not 1 <= sizes[0] <= sizes[-1] <= len(NUMBER_WORDS):
+        raise ValueError(f"seeds_per_cell needs cells of 1 to {len(NUMBER_WORDS)} runs, got sizes {sizes}")
+    low, high = (NUMBER_WORDS[n - 1] for n in (sizes[0], sizes[-1]))
+    if low == high:
+        return f"{low} seed" + "s" * (sizes[0] > 1)
+    return f"{low} {'or' if sizes[-1] == sizes[0] + 1 else 'to'} {high} seeds"
+
+
 def latex(lr: float) -> str:
     """A learning rate as the book writes it: $4 \\cdot 10^{-3}$."""
     mantissa, exponent = f"{lr:e}".split("e")
@@ -464,7 +478,7 @@ def lr_finding(results: Path = RESULTS) -> str:
                          for lr in ("8e-3", "4e-3", "1e-3"))
     claim(len({r.arm for r in high}) == 3 and all(r.runaway is not None for r in high),
           "every placement ran away at 8e-3, attention in fp32 included")
-    per_placement = sorted({sum(r.arm == arm for r in high) for arm in GRID_PLACEMENTS})  # seeds at 8e-3
+    per_placement = seeds_per_cell(grid_cell("8e-3", False, results).values())  # seeds at 8e-3
     went = [r for r in twice if r.runaway is not None]
     claim([r.arm for r in went] == ["paper64"] and len({r.seed for r in twice}) == 2,
           "at 4e-3 (two seeds) only paper64 ran away, once")
@@ -539,7 +553,7 @@ def lr_finding(results: Path = RESULTS) -> str:
         f"before `fa2` in each of them at half the rate (its row sum and scores in bf16 too). "
         f"A high rate is a second growth, bf16 or not: at {latex(8e-3)}, four times the recipe's rate, "
         f"every placement ran away, attention in fp32 included ({len(high)} of {len(high)} runs, "
-        f"{' or '.join(map(str, per_placement))} seeds per placement); "
+        f"{per_placement} per placement); "
         f"at {latex(4e-3)} {len(went)} of {len(twice)} did (`paper64`, seed {went[0].seed}, step "
         f"{went[0].runaway:,}), while every run's largest logit climbed (to "
         f"{min(peak[r.name] for r in twice):,.0f}-{max(peak[r.name] for r in twice):,.0f}) and fell back. "
@@ -671,6 +685,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         losses = [final[r.name] for r in group]
         return f"{min(losses):.2f}-{max(losses):.2f}"
     lrs = sorted({r.lr for r in normed})
+    seeds = seeds_per_cell(with_it for _, with_it in pairs.values())
     why = (
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "
@@ -736,19 +751,19 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"fp32. Watch every layer's largest logit: in all {len(exploded)} runs the stop rule "
         f"ended, a runaway came first, {min(ahead):,} to {max(ahead):,} steps before it. Against the runaway "
         f"itself, normalise queries and keys: with QK-LayerNorm none of {len(normed)} runs ran away or "
-        f"spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, one seed per placement and rate; "
+        f"spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, {seeds} per placement and rate; "
         f"largest logit {min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} "
         f"that have a same-seed twin without it ended with the lower loss "
         f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one "
-        f"change here that held in every placement, at one seed. Or compute attention in fp32 (`attn-fp32`, "
-        f"{fp32_cost:.1f} times `fa2`'s training time per token on the H200): it ran away in none of its "
-        f"{len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps at half and twice "
-        f"it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model with no bf16 "
-        f"anywhere (`model-fp32`) in none of its {len(fp32_model) + control} ({len(fp32_model)} at the "
-        f"recipe's rate, {control} at half): at half the rate, where every bf16 run ran "
-        f"away, that contrast holds within seeds too (above); at the recipe's rate the runs are still too "
-        f"few to tell. A lower learning rate is no remedy on this evidence: at half the recipe's rate both "
-        f"bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
+        f"change here that held in every placement, at {seeds} each. Or compute attention in fp32 "
+        f"(`attn-fp32`, {fp32_cost:.1f} times `fa2`'s training time per token on the H200): it ran away in "
+        f"none of its {len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps at "
+        f"half and twice it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model "
+        f"with no bf16 anywhere (`model-fp32`) in none of its {len(fp32_model) + control} "
+        f"({len(fp32_model)} at the recipe's rate, {control} at half): at half the rate, where every bf16 "
+        f"run ran away, that contrast holds within seeds too (above); at the recipe's rate the runs are "
+        f"still too few to tell. A lower learning rate is no remedy on this evidence: at half the recipe's "
+        f"rate both bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
         f"{len({r.seed for group in half.values() for r in group})} seeds each), sooner than at the "
         f"recipe's. Keep the row sum $\\ell$ and the scores in fp32, as the production placement does (with "
         f"$\\ell$ in bf16 more runs ran away at the recipe's rate, counts above; with it in fp32 `fa2` and "
@@ -798,9 +813,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         and run.summary["weights_sha256"] == first.summary["weights_sha256"]
         for run, first in again.values()), "two survival runs made twice: same values, same weights")
     untested = (
-        f"**Untested.** QK-LayerNorm beyond one seed, and the learning rate's threshold (done: {lr_done} of "
-        f"the {lr_total} runs of that study; runaways by learning rate, without and with QK-LayerNorm: "
-        f"{by_rate(grid_runs(results))}), QK-clip, z-loss and larger "
+        f"**Untested.** QK-LayerNorm beyond {seeds} per placement and rate, and the learning rate's "
+        f"threshold (done: {lr_done} of the {lr_total} runs of that study; runaways by learning rate, "
+        f"without and with QK-LayerNorm: {by_rate(grid_runs(results))}), QK-clip, z-loss and larger "
         f"models (none ran past {max(larger):,} steps); of the survival study's {sv_total} runs, "
         f"{sv_done} are done (runaways by arm: {per_group(study_arms)}; every one in layer index 1), and "
         f"even complete its {per_arm} runs per arm tell a 60% runaway rate from none only "
