@@ -474,6 +474,7 @@ def test_seed_ranges_says_numbers_in_words():
     with pytest.raises(ValueError, match="at least one"):
         seed_ranges([])
 
+
 def test_seeds_per_cell_says_the_runs_per_cell_in_words():
     from lowprec.viz.bottom_line import seeds_per_cell
 
@@ -483,7 +484,6 @@ def test_seeds_per_cell_says_the_runs_per_cell_in_words():
     for sizes in ((), (0, 1), (11,)):
         with pytest.raises(ValueError, match="cells of 1 to 10 runs"):
             seeds_per_cell([[0] * n for n in sizes])
-
 
 
 def test_corrected_if_calm_adds_calm_runs_to_the_second_arm() -> None:

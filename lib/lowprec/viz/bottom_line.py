@@ -280,6 +280,11 @@ def qk_pairs(results: Path = RESULTS) -> dict[tuple[str, float], tuple[list[RunF
             if (arm, lr, True) in cells}
 
 
+def normed_seeds(results: Path = RESULTS) -> str:
+    """How many seeds the lr-qknorm cells with QK-LayerNorm hold, in words (`seeds_per_cell`)."""
+    return seeds_per_cell(with_it for _, with_it in qk_pairs(results).values())
+
+
 def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
     """The lr-qknorm queue's same-seed pairs (without QK-LayerNorm, with it) of one placement and learning
     rate (`grid_runs`), in `qk_pairs` order."""
@@ -685,7 +690,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         losses = [final[r.name] for r in group]
         return f"{min(losses):.2f}-{max(losses):.2f}"
     lrs = sorted({r.lr for r in normed})
-    seeds = seeds_per_cell(with_it for _, with_it in pairs.values())
+    seeds = normed_seeds(results)
     why = (
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "

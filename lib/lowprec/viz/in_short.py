@@ -26,6 +26,7 @@ from lowprec.viz.bottom_line import (
     grid_runs,
     half_rate,
     horizon,
+    normed_seeds,
     qk_pairs,
     run_rows,
     secondary_tests,
@@ -111,7 +112,7 @@ def explosion(results: Path = RESULTS) -> str:
         f"{steps:,} `fa2` ran away in {tally(half['fa2'], 'runaway')[0]} of {len(half['fa2'])} runs at half "
         f"the recipe's rate and in {len(fa2_other)} of {len(fa2_above)} at the recipe's rate and twice it: "
         f"the runaway is not only the growth of a high rate. With QK-LayerNorm none of {len(normed)} runs "
-        f"ran away ({seeds_per_cell(normed_cells)} per placement and rate).")
+        f"ran away ({normed_seeds(results)} per placement and rate).")
 
 
 # chapter 3b's growing-head runs: the row-sum runs whose checkpoints were measured by the criterion
@@ -164,7 +165,7 @@ def what_to_change(results: Path = RESULTS) -> str:
     claim({lr for _, lr in normed} == {8e-3, 4e-3, 2e-3, 1e-3} and tally(normed_runs, "runaway")[0] == 0,
           "QK-LayerNorm: half to four times the recipe's rate, no runaway")
     per_placement = {arm: sum(a == arm for a, _ in normed) for arm in GRID_PLACEMENTS}
-    seeds = seeds_per_cell(normed.values())
+    seeds = normed_seeds(results)
     fast_fp32 = grid_cell("8e-3", results=results)["attn-fp32"]
     wide_fp32 = [r for name, r in explode_runs(results).items()
                  if name.startswith(("fp32pv262k/", "fp32pv5k/"))]
