@@ -233,19 +233,21 @@ def test_secondary_tests_from_the_folders() -> None:
         assert test.counts == [(sum(o.runaway is not None for o in g), len(g)) for g in found]
         assert test.p == log_rank(*(event_times(g, "runaway") for g in found))[1]
         assert test.corrected == min(1, test.p * len(tests))
-    settled, text = [test for test in tests if test.corrected < 0.05 and test.ends()[1] < 0.05], bottom_line()
-    assert "two are settled below 5%, " in text and len(settled) == 2 and " but not settled: " not in text
-    for test in settled:
-        low, high = test.ends()
-        assert low <= test.corrected <= high < 0.05
-        assert f"{test.label}, corrected p = {test.corrected:.2g}" in text
+    below, text = [(test, test.ends()) for test in tests if test.corrected < 0.05], bottom_line()
+    assert "two are settled below 5%, " in text and sum(high < 0.05 for _, (_, high) in below) == 2
+    for test, (low, high) in below:
+        assert low <= test.corrected <= high
+        assert (f"{test.label}, corrected p = {test.corrected:.2g}" if high < 0.05 else
+                f"{test.label} is below 5% too (corrected p = {test.corrected:.2g}) but not settled") in text
 
 
 def test_a_test_below_5_percent_but_not_settled_is_named_so(tmp_path: Path) -> None:
-    """A fifth model-fp32 run, calm (seed 4's, linked as seed 5): bf16rowsum against model-fp32 falls below
-    5% corrected, yet the three runs still to come could lift it again; the bottom line says so and keeps its
-    two settled tests."""
+    """model-fp32 with seeds 1-4 and a fifth run, calm (seed 4's, linked as seed 5): bf16rowsum against
+    model-fp32 falls below 5% corrected, yet the three runs still to come could lift it again; the bottom line
+    says so and keeps its two settled tests."""
     results, survival = survival_by_link(tmp_path)
+    for folder in survival.glob("model-fp32-s[5-8]"):  # the runs made after seed 4, if any
+        folder.unlink()
     (survival / "model-fp32-s5").symlink_to(EXPLODE / "survival" / "model-fp32-s4")
     forget()
     test = next(test for test in secondary_tests(results) if test.arms == ("bf16rowsum", "model-fp32"))
