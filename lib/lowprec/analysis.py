@@ -12,6 +12,7 @@ kernel code, so a chapter that only reads results stays fast.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -432,16 +433,23 @@ def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -
         return 0.0, 1.0
     runs, size = len(times), len(ta)
     chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
+    hits = int((log_rank_statistic(times, events, log_rank_splits(runs, size)) >= chi2 * (1 - 1e-9)).sum())
     splits = math.comb(runs, size)
-    if splits <= LOG_RANK_SPLITS:
+    return chi2, hits / splits if splits <= LOG_RANK_SPLITS else (hits + 1) / (LOG_RANK_SPLITS + 1)
+
+
+@functools.lru_cache(maxsize=16)
+def log_rank_splits(runs: int, size: int) -> torch.Tensor:
+    """`log_rank`'s splits of `runs` pooled runs into a group of `size` and the rest, as (splits, runs) bool
+    (True: the group): every split up to LOG_RANK_SPLITS of them, else that many drawn (seeded). Kept, as
+    `log_rank_range` asks for the same sizes many times; read-only."""
+    if math.comb(runs, size) <= LOG_RANK_SPLITS:
         members = torch.tensor(list(itertools.combinations(range(runs), size)), dtype=torch.long)
     else:
         draws = torch.rand(LOG_RANK_SPLITS, runs, generator=torch.Generator().manual_seed(0))
         members = draws.argsort(1)[:, :size]
-    in_a = torch.zeros(len(members), runs, dtype=torch.bool).scatter_(1, members.reshape(len(members), size),
+    return torch.zeros(len(members), runs, dtype=torch.bool).scatter_(1, members.reshape(len(members), size),
                                                                         True)
-    hits = int((log_rank_statistic(times, events, in_a) >= chi2 * (1 - 1e-9)).sum())
-    return chi2, hits / splits if splits <= LOG_RANK_SPLITS else (hits + 1) / (LOG_RANK_SPLITS + 1)
 
 
 def log_rank_range(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]], more_a: int, more_b: int,
