@@ -457,7 +457,14 @@ def log_rank_range(a: tuple[list[int], list[bool]], b: tuple[list[int], list[boo
     """The smallest and largest `log_rank` p that groups `a` and `b` can have once `more_a` and `more_b` more
     runs are made to `horizon`: each new run is censored at the horizon or has its event before it, at any
     place among the known times (tied with one, between two, before all; the statistic sees only the order).
-    ValueError when that makes more than `limit` cases."""
+    ValueError when that makes more than `limit` cases. Kept per arguments: a page states its bottom line
+    and its own secondary tests, which ask for the same ranges."""
+    return _log_rank_range(tuple(map(tuple, a)), tuple(map(tuple, b)), more_a, more_b, horizon, limit)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_rank_range(a: tuple[tuple[int, ...], tuple[bool, ...]], b: tuple[tuple[int, ...], tuple[bool, ...]],
+                    more_a: int, more_b: int, horizon: int, limit: int) -> tuple[float, float]:
     known = sorted(set(a[0]) | set(b[0]) | {horizon})
     places = sorted({known[0] - 1, *known, *((x + y) / 2 for x, y in itertools.pairwise(known))})
     new = [(t, True) for t in places if t < horizon] + [(horizon, False)]  # one new run's possible outcomes
