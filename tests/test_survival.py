@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from lowprec import analysis
 from lowprec.analysis import (
     Outcome,
     detection_power,
@@ -63,6 +64,17 @@ def test_log_rank_range_covers_every_outcome_of_the_runs_to_come() -> None:
     assert log_rank_range(a, b, 1, 1, horizon) == (min(both), max(both))
     with pytest.raises(ValueError, match="more runs"):
         log_rank_range(a, b, 8, 8, horizon, limit=100)
+
+
+def test_log_rank_range_is_kept_per_arguments(monkeypatch) -> None:
+    """A range asked for again (as lists or as tuples) comes back without a new `log_rank`; other arguments
+    compute theirs."""
+    a, b = ([10, 20, 25], [True, True, False]), ([30], [False])
+    first = log_rank_range(a, b, 1, 1, 30)
+    monkeypatch.setattr(analysis, "log_rank", lambda *_: pytest.fail("computed again"))
+    assert log_rank_range(a, b, 1, 1, 30) == first == log_rank_range(tuple(map(tuple, a)), b, 1, 1, 30)
+    with pytest.raises(pytest.fail.Exception, match="computed again"):
+        log_rank_range(a, b, 1, 2, 30)
 
 
 def test_log_rank_is_exact_for_few_runs() -> None:
