@@ -438,6 +438,11 @@ class SecondaryTest:
                                    self.horizon)
         return self.bonferroni(low), self.bonferroni(high)
 
+    @property
+    def settled(self) -> bool:
+        """Below 5% corrected whatever the runs still to be made give (`ends`)."""
+        return self.ends()[1] < 0.05
+
 
 def secondary_tests(results: Path = RESULTS) -> list[SecondaryTest]:
     """The survival queue's secondary tests that its records allow (each arm against each control of
@@ -669,7 +674,7 @@ def bottom_line(results: Path = RESULTS) -> str:
     claim(primary.p < 0.05, "the primary test: bf16rowsum runs away more often than fp32pv, p below 0.05")
     secondary = secondary_tests(results)
     below = [(test, test.ends()) for test in secondary if test.corrected < 0.05]
-    settled = [(test, ends) for test, ends in below if ends[1] < 0.05]  # below 5% whatever runs to come give
+    settled = [(test, ends) for test, ends in below if test.settled]
     claim([test.arms for test, _ in settled] == [("bf16rowsum", "fa2"), ("paper64", "fa2")],
           "two secondary tests below 5%, bf16rowsum and paper64 against fa2, whatever runs to come give")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
@@ -721,7 +726,7 @@ def bottom_line(results: Path = RESULTS) -> str:
         "$\\ell$ and $\\bar P$ both (and the scores, the $\\bar P V$ result and the running output)."
         + "".join(f" {test.label} is below 5% too (corrected p = {test.corrected:.2g}) but not settled: with "
                   f"{test.to_come} of the two arms' runs still to be made it ends between {low:.2g} and "
-                  f"{high:.2g}." for test, (low, high) in below if high >= 0.05)
+                  f"{high:.2g}." for test, (low, high) in below if not test.settled)
         + " An fp32 $\\ell$ does not rule a runaway out: `fp32pv` ran away in the study too, `fa2` keeps "
         f"$\\ell$ in fp32 and ran away once at {SMALL:,} tokens per step, and at {LARGE:,} `fa2` exploded "
         "and `fp32pv` ran away in both runs of its one seed (without the stop rule). These are counts; no "
