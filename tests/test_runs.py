@@ -112,27 +112,43 @@ def test_every_committed_record_fits_the_processs_cache(monkeypatch):
     assert all(load_run(folder) is run for folder, run in zip(folders, first, strict=True))
 
 
+def test_a_folder_read_through_a_link_shares_its_rows(tmp_path, monkeypatch):
+    """The same folder by another path (a link, as the tests' copies of results/ make) gives a Run with that
+    path and the rows already read, not another copy of them."""
+    monkeypatch.delenv("LOWPREC_RUN_CACHE", raising=False)
+    write_run(tmp_path / "r")
+    (tmp_path / "link").symlink_to(tmp_path / "r")
+    direct, linked = load_run(tmp_path / "r"), load_run(tmp_path / "link")
+    assert (direct.path, linked.path) == (tmp_path / "r", tmp_path / "link")
+    assert linked.metrics is direct.metrics and linked.events is direct.events
+    assert load_run(tmp_path / "link") is linked
+
+
 def test_a_run_kept_by_one_process_is_read_by_the_next(tmp_path, monkeypatch):
     """With $LOWPREC_RUN_CACHE set, a parsed run is kept there and read back by a later process (here: after
     the in-process cache is cleared); a changed record is parsed again, and a damaged kept file is ignored."""
     from lowprec import runs
 
+    def forget() -> None:
+        runs._read_run.cache_clear()
+        runs._read_folder.cache_clear()
+
     monkeypatch.setenv(runs.RUN_CACHE, str(tmp_path / "kept"))
     write_run(tmp_path / "r")
-    runs._read_run.cache_clear()
+    forget()
     first = load_run(tmp_path / "r")
     (kept,) = (tmp_path / "kept").glob("*.pickle")
-    runs._read_run.cache_clear()
+    forget()
     monkeypatch.setattr(runs, "_parse_run", lambda path: pytest.fail("parsed again"))
     assert load_run(tmp_path / "r") == first
     (tmp_path / "link").symlink_to(tmp_path / "r")  # the same folder by another path: the Run has that path
     assert load_run(tmp_path / "link").path == tmp_path / "link"
-    runs._read_run.cache_clear()
+    forget()
     assert load_run(tmp_path / "r").path == tmp_path / "r"
     monkeypatch.undo()
     monkeypatch.setenv(runs.RUN_CACHE, str(tmp_path / "kept"))
     kept.write_bytes(b"not a pickle")
-    runs._read_run.cache_clear()
+    forget()
     assert load_run(tmp_path / "r") == first
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     (tmp_path / "r" / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))

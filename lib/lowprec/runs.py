@@ -652,8 +652,18 @@ def _collector_paused() -> Iterator[None]:
 @functools.lru_cache(maxsize=1024)  # a process may read all ~150 committed records several times: a
 # cache smaller than their number evicts each run just before it is read again
 def _read_run(path: Path, stamp: tuple) -> Run:
-    """The Run in `path` (read afresh for each new `stamp` of its files): from $LOWPREC_RUN_CACHE where
-    another process kept it (the book's pages read the same records), else parsed, checked and kept there."""
+    """The Run in `path` as of `stamp`: the one of the folder `path` resolves to, with this `path` (a folder
+    read through links, as the tests' copies of `results/` do, shares its rows instead of holding another
+    ~10^5 objects per run)."""
+    run = _read_folder(path.resolve(), stamp)
+    return run if run.path == path else replace(run, path=path)
+
+
+@functools.lru_cache(maxsize=1024)
+def _read_folder(path: Path, stamp: tuple) -> Run:
+    """The Run in the resolved folder `path` (read afresh for each new `stamp` of its files): from
+    $LOWPREC_RUN_CACHE where another process kept it (the book's pages read the same records), else parsed,
+    checked and kept there."""
     with _collector_paused():
         return _kept_or_parsed(path, stamp)
 
