@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -404,15 +405,19 @@ def kaplan_meier(times: list[int], events: list[bool]) -> list[tuple[int, float]
 LOG_RANK_SPLITS = 100_000  # splits of the pooled runs enumerated for an exact p; beyond, this many drawn
 
 
-def log_rank_statistic(times: list[int], events: list[bool], in_a: torch.Tensor) -> torch.Tensor:
-    """The log-rank chi² (1 degree of freedom) of the pooled runs' (times, events) split into groups by each
-    row of `in_a` (splits, runs; True: group a), as (splits,) float64; 0 where the variance is 0."""
+def log_rank_statistic(times: list[int], events: list[bool], in_a: torch.Tensor,
+                       counts: list[int] | None = None) -> torch.Tensor:
+    """The log-rank chi² (1 degree of freedom) of pooled runs split into groups by each row of `in_a`
+    (splits, entries): entry j stands for `counts[j]` runs (default 1) with time `times[j]` and event
+    `events[j]`, and a row says how many of them are in group a; (splits,) float64, 0 where the variance is
+    0. Every sum is of whole numbers, so an entry of tied runs gives the same chi² as the runs one by one."""
     t = torch.tensor(times, dtype=torch.float64)
     e = torch.tensor(events, dtype=torch.bool)
+    c = torch.tensor([1] * len(times) if counts is None else counts, dtype=torch.float64)  # runs per entry
     moments = torch.tensor(sorted(set(t[e].tolist())), dtype=torch.float64)  # event times (K,)
-    at_risk = (t[None, :] >= moments[:, None]).double()                          # (K, runs)
-    died = (e[None, :] & (t[None, :] == moments[:, None])).double()              # (K, runs)
-    n, d = at_risk.sum(1), died.sum(1)                                           # (K,)
+    at_risk = (t[None, :] >= moments[:, None]).double()                          # (K, entries)
+    died = (e[None, :] & (t[None, :] == moments[:, None])).double()              # (K, entries)
+    n, d = at_risk @ c, died @ c                                                 # (K,)
     share = in_a.double() @ at_risk.T / n                                        # (splits, K): n_a / n
     observed = (in_a.double() @ died.T).sum(1)
     expected = (d * share).sum(1)
@@ -425,31 +430,55 @@ def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -
     """(chi², p) of the log-rank test that two groups' (times, events) share one survival curve, p by
     permutation (valid for a few runs per arm, where chi²'s approximation is not): the share of the pooled
     runs' splits into groups of a's and b's sizes whose chi² is at least the observed one, exact over every
-    split up to LOG_RANK_SPLITS of them, else over that many drawn at random (seeded; (hits + 1) / (draws +
-    1)); p = 1 when neither group has an event."""
+    split up to LOG_RANK_SPLITS of them (counted by `log_rank_compositions`: tied runs are interchangeable),
+    else over that many drawn at random (seeded; (hits + 1) / (draws + 1)); p = 1 when neither group has an
+    event."""
     (ta, ea), (tb, eb) = a, b
     times, events = list(ta) + list(tb), list(ea) + list(eb)
     if not any(events):
         return 0.0, 1.0
     runs, size = len(times), len(ta)
-    chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
-    hits = int((log_rank_statistic(times, events, log_rank_splits(runs, size)) >= chi2 * (1 - 1e-9)).sum())
     splits = math.comb(runs, size)
-    return chi2, hits / splits if splits <= LOG_RANK_SPLITS else (hits + 1) / (LOG_RANK_SPLITS + 1)
+    if splits > LOG_RANK_SPLITS:
+        chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
+        hits = int((log_rank_statistic(times, events, log_rank_draws(runs, size)) >= chi2 * (1 - 1e-9)).sum())
+        return chi2, (hits + 1) / (LOG_RANK_SPLITS + 1)
+    pooled, in_a = Counter(zip(times, events, strict=True)), Counter(zip(ta, ea, strict=True))
+    entries = sorted(pooled)                                                     # tied runs: one entry
+    when, happened, counts = [t for t, _ in entries], [e for _, e in entries], [pooled[x] for x in entries]
+    chi2 = log_rank_statistic(when, happened, torch.tensor([[in_a[x] for x in entries]]), counts).item()
+    ways, weight = log_rank_compositions(tuple(counts), size)
+    hits = int(weight[log_rank_statistic(when, happened, ways, counts) >= chi2 * (1 - 1e-9)].sum())
+    return chi2, hits / splits
+
+
+@functools.lru_cache(maxsize=64)
+def log_rank_compositions(counts: tuple[int, ...], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every way to take `size` of the pooled runs when entry j holds `counts[j]` interchangeable (tied) runs:
+    (ways, entries) long, how many of each entry's runs are taken, and (ways,) long, how many splits of the
+    runs one by one each way stands for (the product of binomials; they sum to comb(sum(counts), size)).
+    Kept, as `log_rank_range` asks for the same counts many times; read-only."""
+    ways, left = torch.zeros(1, 0, dtype=torch.long), sum(counts)
+    for count in counts:
+        left -= count
+        grown = torch.cat([ways.repeat_interleave(count + 1, 0),                  # each way, then each
+                           torch.arange(count + 1).repeat(len(ways))[:, None]], 1)  # take from this entry
+        taken = grown.sum(1)
+        ways = grown[(taken <= size) & (taken + left >= size)]                   # can still make `size`
+    binomials = [torch.tensor([math.comb(count, k) for k in range(count + 1)]) for count in counts]
+    weight = torch.ones(len(ways), dtype=torch.long)
+    for j, table in enumerate(binomials):
+        weight *= table[ways[:, j]]
+    return ways, weight
 
 
 @functools.lru_cache(maxsize=16)
-def log_rank_splits(runs: int, size: int) -> torch.Tensor:
-    """`log_rank`'s splits of `runs` pooled runs into a group of `size` and the rest, as (splits, runs) bool
-    (True: the group): every split up to LOG_RANK_SPLITS of them, else that many drawn (seeded). Kept, as
-    `log_rank_range` asks for the same sizes many times; read-only."""
-    if math.comb(runs, size) <= LOG_RANK_SPLITS:
-        members = torch.tensor(list(itertools.combinations(range(runs), size)), dtype=torch.long)
-    else:
-        draws = torch.rand(LOG_RANK_SPLITS, runs, generator=torch.Generator().manual_seed(0))
-        members = draws.argsort(1)[:, :size]
-    return torch.zeros(len(members), runs, dtype=torch.bool).scatter_(1, members.reshape(len(members), size),
-                                                                        True)
+def log_rank_draws(runs: int, size: int) -> torch.Tensor:
+    """LOG_RANK_SPLITS splits of `runs` pooled runs into a group of `size` and the rest, drawn at random
+    (seeded), as (splits, runs) bool (True: the group). Kept per arguments; read-only."""
+    draws = torch.rand(LOG_RANK_SPLITS, runs, generator=torch.Generator().manual_seed(0))
+    members = draws.argsort(1)[:, :size]
+    return torch.zeros(LOG_RANK_SPLITS, runs, dtype=torch.bool).scatter_(1, members, True)
 
 
 def log_rank_range(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]], more_a: int, more_b: int,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -46,6 +47,7 @@ FIX_BACKENDS = backends_with("fix")
 POLL_S = 1.0
 
 
+@functools.lru_cache(maxsize=256)  # `arm_of` tries every arm for each record it names; the specs are frozen
 def arm_spec(arm: str, backend: str = "triton") -> AttentionSpec:
     """The attention spec of a named arm (module docstring), e.g. "ones3-fix" ->
     triton/precision=fa2:weights=e8m3@ones/fix=2."""
