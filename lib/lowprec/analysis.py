@@ -439,17 +439,21 @@ def log_rank(a: tuple[list[int], list[bool]], b: tuple[list[int], list[bool]]) -
         return 0.0, 1.0
     runs, size = len(times), len(ta)
     splits = math.comb(runs, size)
-    if splits > LOG_RANK_SPLITS:
-        chi2 = log_rank_statistic(times, events, torch.arange(runs)[None, :] < size).item()
-        hits = int((log_rank_statistic(times, events, log_rank_draws(runs, size)) >= chi2 * (1 - 1e-9)).sum())
-        return chi2, (hits + 1) / (LOG_RANK_SPLITS + 1)
-    pooled, in_a = Counter(zip(times, events, strict=True)), Counter(zip(ta, ea, strict=True))
-    entries = sorted(pooled)                                                     # tied runs: one entry
-    when, happened, counts = [t for t, _ in entries], [e for _, e in entries], [pooled[x] for x in entries]
-    chi2 = log_rank_statistic(when, happened, torch.tensor([[in_a[x] for x in entries]]), counts).item()
-    ways, weight = log_rank_compositions(tuple(counts), size)
-    hits = int(weight[log_rank_statistic(when, happened, ways, counts) >= chi2 * (1 - 1e-9)].sum())
-    return chi2, hits / splits
+    if splits > LOG_RANK_SPLITS:  # the observed split first, then the drawn ones
+        counts, weight = None, None
+        rows = torch.cat([torch.arange(runs)[None, :] < size, log_rank_draws(runs, size)])
+    else:  # the observed way first, then every way
+        pooled, in_a = Counter(zip(times, events, strict=True)), Counter(zip(ta, ea, strict=True))
+        entries = sorted(pooled)                                                 # tied runs: one entry
+        times, events = [t for t, _ in entries], [e for _, e in entries]
+        counts = [pooled[x] for x in entries]
+        ways, weight = log_rank_compositions(tuple(counts), size)
+        rows = torch.cat([torch.tensor([[in_a[x] for x in entries]]), ways])
+    chi2 = log_rank_statistic(times, events, rows, counts)
+    past = chi2[1:] >= chi2[0] * (1 - 1e-9)
+    if weight is None:
+        return chi2[0].item(), (int(past.sum()) + 1) / (LOG_RANK_SPLITS + 1)
+    return chi2[0].item(), int(weight[past].sum()) / splits
 
 
 @functools.lru_cache(maxsize=64)
