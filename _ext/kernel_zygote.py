@@ -27,14 +27,27 @@ from jupyter_client.manager import AsyncKernelManager
 
 # what the zygote imports before it forks: the kernel's modules and the first import of every chapter
 PRELOAD = ("ipykernel.kernelapp", "lowprec.viz")
+# the run records it reads before it forks (most chapters read most of them: each kernel would spend ~3 s of
+# CPU parsing or unpickling them, and its collector's passes over their ~10^7 objects, where the zygote's
+# copy is read once and frozen out of the collector's sight)
+RECORDS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 # requests (JSON lines) on stdin, answers (a line each) on the file descriptor argv[1]; stdout and stderr are
 # the starter's, as a launched kernel's are
 ZYGOTE = r"""
-import ctypes, importlib, json, os, signal, sys
+import ctypes, gc, importlib, json, os, signal, sys
+from pathlib import Path
 answers = os.fdopen(int(sys.argv[1]), "w")
-for name in sys.argv[2:]:
+for name in sys.argv[3:]:
     importlib.import_module(name)
+if sys.argv[2]:  # a kernel's load_run of a folder whose files are unchanged gives the Run read here
+    from lowprec import runs
+    for config in sorted(Path(sys.argv[2]).rglob("config.json")):
+        try:
+            runs.load_run(config.parent)
+        except runs.RunRecordError:  # a damaged record: the chapter that reads it says so
+            pass
+    gc.freeze()  # kept out of the collector's passes in every kernel (and so not copied on write by them)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernels are reaped as they end
 print("ready", file=answers, flush=True)
 for line in sys.stdin:
@@ -80,11 +93,12 @@ os._exit(code)
 
 
 class Zygote:
-    """A process that has imported PRELOAD and forks a kernel on request."""
+    """A process that has imported PRELOAD, read the run records under `records` ("" for none) and forks a
+    kernel on request."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD, records: str = RECORDS) -> None:
         read, write = os.pipe()
-        self.process = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(write), *preload],
+        self.process = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(write), records, *preload],
                                         stdin=subprocess.PIPE, pass_fds=(write,), text=True)
         os.close(write)
         self.answers = os.fdopen(read)
