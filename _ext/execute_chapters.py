@@ -6,7 +6,7 @@ it reads each chapter the way myst-nb reads it, executes the ones the cache lack
 once (spawned, longest first, the kernel's working directory is book/, as in the build) and stores each
 result from this process only (the cache is one SQLite database: one writer). The build then renders from the
 cache. A chapter that fails here is not stored: the build executes it again and reports its error as usual.
-Each process forks its chapters' kernels from a warm interpreter (_ext/kernel_zygote.py: about 2 s of CPU
+Each process forks its chapters' kernels from a warm interpreter (_ext/kernel_zygote.py: about 4 s of CPU
 less per chapter).
 
     python _ext/execute_chapters.py --cache _build/.jupyter_cache --jobs 2 book/*.md

@@ -2,7 +2,8 @@
 
 A kernel that starts from scratch spends about 3 s of CPU before a chapter's first line does anything: the
 kernel's own imports (ipykernel, IPython) and then the imports every chapter begins with (`from lowprec import
-viz`: torch, plotly). `Zygote` is one process that imports those once (nothing else: no chapter code, no
+viz`: torch, plotly). `Zygote` is one process that imports those once, reads the committed run records
+(a kernel's `load_run` of an unchanged folder then gives the Run read there; nothing else: no chapter code, no
 kernel, one thread) and forks a kernel for each chapter; `ZygoteKernelManager` is the kernel manager
 (nbclient's `kernel_manager_class`) that asks it for one where the kernelspec would run
 `python -m ipykernel_launcher`, and launches as usual otherwise. The forked kernel is the kernel the
@@ -11,7 +12,7 @@ own session (signals reach its process group, as for a launched kernel), torch's
 afresh as a new process seeds it (Python's random reseeds itself in a fork), and at its end the exit handlers
 run but not the interpreter's teardown (0.6 s with torch loaded: nothing the chapter sees). It dies with the
 zygote, which ends when the process that started it closes its pipe. _ext/execute_chapters.py uses it (about
-2 s of CPU less per chapter); a chapter that fails there runs again in the build's own kernel.
+4 s of CPU less per chapter); a chapter that fails there runs again in the build's own kernel.
 """
 
 from __future__ import annotations
@@ -106,12 +107,16 @@ class Zygote:
         self.answers = os.fdopen(read)
         self.ready = False
 
-    def fork(self, argv: list[str], cwd: str, env: dict[str, str]) -> int:
-        """The pid of a new kernel started as `argv` (python -m ipykernel_launcher ...) would start."""
+    def wait_ready(self) -> None:
+        """Return once the zygote has imported PRELOAD and read the records (RuntimeError if it ended)."""
         if not self.ready:
             if self.answers.readline().strip() != "ready":
                 raise RuntimeError("the kernel zygote did not start")
             self.ready = True
+
+    def fork(self, argv: list[str], cwd: str, env: dict[str, str]) -> int:
+        """The pid of a new kernel started as `argv` (python -m ipykernel_launcher ...) would start."""
+        self.wait_ready()
         self.process.stdin.write(json.dumps({"argv": argv, "cwd": cwd, "env": env}) + "\n")
         self.process.stdin.flush()
         return int(self.answers.readline())
