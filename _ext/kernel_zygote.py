@@ -27,8 +27,7 @@ from typing import Any
 from jupyter_client.manager import AsyncKernelManager
 
 # what the zygote imports before it forks: the kernel's modules, the first import of every chapter and the
-# bottom line's (the pages' most common import: with it the model and attention, whose
-# `torch.compiler.assume_constant_result` imports torch._dynamo, about 1 s of CPU)
+# bottom line's (the pages' most common import: with it the model and attention)
 PRELOAD = ("ipykernel.kernelapp", "lowprec.viz", "lowprec.viz.bottom_line")
 # the run records it reads before it forks (most chapters read most of them: each kernel would spend ~3 s of
 # CPU parsing or unpickling them, and its collector's passes over their ~10^7 objects, where the zygote's

@@ -933,6 +933,20 @@ def test_attention_with_a_string_spec_compiles_without_a_graph_break(backend):
         torch._dynamo.reset()
 
 
+def test_constant_result_marks_a_function_as_torch_compilers_decorator_does():
+    """`constant_result` (attention's `_resolve` and the kernel's `_kernel_options`) leaves a function as
+    `torch.compiler.assume_constant_result` leaves it, where the decorator keeps its mark on the function."""
+    from lowprec.attention import dispatch, flash
+    from lowprec.attention.reference import constant_result
+
+    def ours() -> None: ...
+    def theirs() -> None: ...
+    assert constant_result(ours) is ours and torch.compiler.assume_constant_result(theirs) is theirs
+    assert vars(theirs) and vars(ours) == vars(theirs)
+    assert vars(theirs).items() <= vars(dispatch._resolve).items() and \
+        vars(theirs).items() <= vars(flash._kernel_options).items()
+
+
 def test_constant_result_functions_get_plain_values_only(monkeypatch):
     """What attention() and the kernel hand to their torch.compiler.assume_constant_result functions, from
     a GPT whose layers hold AttentionSpec objects: plain values only (torch.compile 2.11 stops with "can't

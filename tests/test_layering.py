@@ -185,6 +185,7 @@ def with_torch() -> Iterator[Callable[[str], int]]:
     ("lowprec.formats", "lowprec.attention"),
     ("lowprec.attention", "lowprec.model"),
     ("lowprec.hf", "transformers"),  # the plug-in imports transformers when it registers
+    ("lowprec.train", "torch._dynamo"),  # the compiler (1.2 s of CPU) only where a run compiles
 ])
 def test_importing_a_lower_layer_loads_no_upper_one(with_torch, module: str, absent: str) -> None:
     code = f"import sys, {module}; assert {absent!r} not in sys.modules, sorted(sys.modules)"

@@ -21,6 +21,7 @@ from lowprec.attention.reference import (
     causal_mask,
     check_qkv,
     check_scale,
+    constant_result,
     expand_kv,
     reference_attention,
     scaled_scores,
@@ -103,7 +104,7 @@ def _call_of(spec: AttentionSpec, keywords: tuple[str, ...]) -> tuple[str, tuple
     return spec.backend, tuple(spec.kwargs().items())
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _resolve(backend: str, keywords: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...]]:
     """`_call_of` a spec string, as plain constants: torch.compile runs this once while tracing instead of
     parsing the string (no graph break). Only plain values may reach it: torch.compile 2.11 cannot turn a

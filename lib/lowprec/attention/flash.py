@@ -35,7 +35,7 @@ from triton.runtime.errors import OutOfResources
 from lowprec.attention.fix import STAT_NAMES, AttentionStats, Fix
 from lowprec.attention.plan import plan_call
 from lowprec.attention.precision import POINTS, Precision, fits
-from lowprec.attention.reference import autocast_qkv, check_qkv
+from lowprec.attention.reference import autocast_qkv, check_qkv, constant_result
 from lowprec.attention.triton_kernels import _delta, _dkdv, _dq, _fwd
 from lowprec.attention.triton_rounding import CAST_BF16, CAST_FP16, NONE, _codes
 
@@ -481,7 +481,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: int, with_
     return _flash_forward(q, k, v, seed, with_stats, *options)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _kernel_options(dtype: torch.dtype, head_dim: int, on_gpu: bool, causal: bool, scale: float | None,
                     fix: Fix | float | bool | str | None, precision: Precision | str, block_m: int | None,
                     block_n: int | None) -> tuple:

@@ -1,4 +1,4 @@
-"""Input checks shared by every backend, and the float64 reference attention.
+"""Input checks and helpers shared by every backend, and the float64 reference attention.
 
 Tensors are (batch, heads, seq, head_dim). q is (B, H, Nq, D); k and v are (B, H_kv, Nk, D) with H a
 multiple of H_kv (grouped-query attention: query head h reads key/value head h // (H // H_kv); H_kv = 1 is
@@ -12,6 +12,7 @@ a flash backward gives them zero gradients), as in FlashAttention-2.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +30,15 @@ def autocast_qkv(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     dtype = torch.get_autocast_dtype(device)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                  and t.dtype != torch.float64 else t for t in tensors)
+
+
+def constant_result(fn: Callable) -> Callable:
+    """`fn` marked as `torch.compiler.assume_constant_result` marks it (torch.compile calls it once while
+    tracing and keeps its result as a constant), without the decorator's import of torch._dynamo: 1.2 s of CPU
+    in every process that imports the model and never compiles, each `lowprec` command among them
+    (tests/test_flash_kernel.py checks that the decorator still sets only this)."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def check_qkv(
