@@ -3,6 +3,8 @@ Triton's interpreter) and write their records; the numbers are the GPU's to give
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -11,10 +13,19 @@ from lowprec import cli
 from lowprec.instruments import bench_overhead
 
 
-def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
-    out = tmp_path / "overhead.json"
-    assert cli.main(["bench", "overhead", "--smoke", "--profile", "--out", str(out)]) == 0
-    record = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """(record, stdout) of one `bench overhead --smoke --profile --compile default`: the two tests below read
+    it (each option alone took most of the time of both together)."""
+    out = tmp_path_factory.mktemp("overhead") / "overhead.json"
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        assert cli.main(["bench", "overhead", "--smoke", "--profile", "--compile", "default", "--out",
+                         str(out)]) == 0
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def test_bench_overhead_smoke_writes_calls_steps_and_summary(smoke: tuple[dict, str]) -> None:
+    record = smoke[0]
     rows = record["calls"]
     assert {(r["impl"], r["mode"]) for r in rows} == {(impl, mode) for impl in bench_overhead.IMPLS
                                                       for mode in ("fwd", "fwd+bwd")}
@@ -35,20 +46,18 @@ def test_bench_overhead_smoke_writes_calls_steps_and_summary(tmp_path):
     assert any(r["name"] == "_EagerFlashBackward" for r in ops["triton"]), [r["name"] for r in ops["triton"]]
 
 
-def test_bench_overhead_times_compiled_steps(tmp_path, capsys):
+def test_bench_overhead_times_compiled_steps(smoke: tuple[dict, str], capsys) -> None:
     """--compile MODE times the GPT steps again with the model under torch.compile (aot_eager on the CPU):
     one list per implementation and their ratios to SDPA's in the summary; an unknown mode is a one-line
     error naming the option."""
-    out = tmp_path / "overhead.json"
-    assert cli.main(["bench", "overhead", "--smoke", "--compile", "default", "--out", str(out)]) == 0
-    record = json.loads(out.read_text())
+    record, printed = smoke
     impls = bench_overhead.IMPLS
     assert record["step"]["compile"] == "default"
     compiled = bench_overhead.COMPILED
     assert {name: len(ms) for name, ms in record["step"]["compiled_ms"].items()} == dict.fromkeys(compiled, 1)
     assert {f"step_vs_sdpa compiled {impl}" for impl in compiled if impl != "sdpa"} <= set(record["summary"])
     assert set(compiled) <= set(impls)
-    assert "compiled (default)" in capsys.readouterr().out and record["step"]["compiled_errors"] == {}
+    assert "compiled (default)" in printed and record["step"]["compiled_errors"] == {}
     assert cli.main(["bench", "overhead", "--smoke", "--compile", "fast"]) == 2
     assert "--compile" in capsys.readouterr().err
 
