@@ -404,7 +404,7 @@ def test_lr_finding_counts_the_no_bf16_control_and_no_other_arm(monkeypatch) -> 
         return lr_finding()
 
     plain = with_cells({})
-    assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.002;" in plain
+    assert "nor the model with no bf16 anywhere" not in plain and "against 0 of 4 gives p = 0.0020;" in plain
     assert "every run with bf16 attention ran away and none with attention in fp32; rounding" in bottom_line()
     control = [dataclasses.replace(r, arm="model-fp32") for r in fp32[:2]]  # two runs that did not run away
     counted = with_cells({("model-fp32", 0.001, False): control})
@@ -481,7 +481,7 @@ def test_why_gives_the_primary_tests_result(lines: list[str]) -> None:
     p = sum(q for q in table.values() if q <= table[sum(a)] * (1 + 1e-7))
     assert p < 0.05
     assert (f"found {sum(a)} of {len(a)} against {sum(b)} of {len(b)} (Fisher's exact test, two-sided, "
-            f"p = {p:.2g};") in lines[1]
+            f"p = {p:#.2g};") in lines[1]
 
 
 def test_seed_ranges_says_numbers_in_words():

@@ -188,7 +188,7 @@ def what_to_change(results: Path = RESULTS) -> str:
         "- **With FlashAttention-2, SDPA or cuDNN the row sum $\\ell$ is already fp32**: they round as the "
         "`fa2` placement does, only $\\bar P$ and the output (chapter 2); the bf16 row sum is the authors' "
         f"placement's. In chapter 3's study the authors' placement ran away in {paper_k} of {paper_n} runs "
-        f"and `fa2` in {fa2_k} of {fa2_n} (a secondary test, corrected p = {authors.corrected:.2g}).\n"
+        f"and `fa2` in {fa2_k} of {fa2_n} (a secondary test, corrected p = {authors.corrected:#.2g}).\n"
         "- **QK-LayerNorm is the only change run at several learning rates with no runaway at any of them**: "
         f"{tally(normed_runs, 'runaway')[0]} of {len(normed_runs)} runs ran away, {seeds} per placement and "
         "rate (" + ", ".join(f"`{arm}` at {n} rates" for arm, n in per_placement.items())
