@@ -37,14 +37,20 @@
 #                                  (default results/explode, which holds queue.json), metrics gzipped; a run
 #                                  whose library is not what its named commit holds (`runs.code_matches`)
 #                                  is left out
-# QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues; a queue's
-# records go to $WORK/<queue folder>.
+# QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues' files by
+# path (a name that is not a file is refused); a queue's records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
 set -u
 export PYTHONPATH=${PYTHONPATH:-$PWD/lib} PYTHONUNBUFFERED=1
 WORK=${WORK:-/tmp/study}; DATA=${DATA:-data/gpt2-english+code}
 QUEUE=${QUEUE:-results/explode/survival/queue.json}
+if [ "$PHASE" != unpack ] && [ "$PHASE" != take ]; then
+  for queue in $QUEUE; do  # a queue's folder name alone would start a go that runs nothing
+    [ -f "$queue" ] || { echo "QUEUE: $queue is not a queue file (name each by its path, e.g." \
+                              "results/explode/survival/queue.json)" >&2; exit 2; }
+  done
+fi
 mkdir -p "$WORK"
 case "$PHASE" in
 unpack)

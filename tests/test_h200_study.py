@@ -120,6 +120,23 @@ def test_go_counts_its_minutes_from_end_at(tmp_path) -> None:
     assert wait.returncode == 0 and 1.5 < minutes <= 2, log
 
 
+def test_a_queue_named_by_its_folder_is_refused_in_one_line(tmp_path) -> None:
+    """QUEUE names queue files by path: a folder's name ("lr-qknorm") is refused before a go or a probe
+    starts, and before a wait packs."""
+    first = queue(tmp_path / "survival", [{"arm": "model-fp32", "seed": 1}], {"model-fp32": 1e6})
+    work = tmp_path / "work"
+    env = {**os.environ, "WORK": str(work), "OUT": str(tmp_path), "QUEUE": f"{first} lr-qknorm",
+           "MINUTES": "1", "PYTHONPATH": str(ROOT / "lib"),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for phase in ("go", "probe", "wait"):
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "h200-study.sh")], env={**env, "PHASE": phase},
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "started" not in done.stdout, done.stdout + done.stderr
+        assert done.stderr.strip() == ("QUEUE: lr-qknorm is not a queue file (name each by its path, e.g. "
+                                       "results/explode/survival/queue.json)"), done.stderr
+    assert not work.exists(), "nothing started"
+
+
 def test_probe_without_the_overhead_bench(tmp_path) -> None:
     """PROBE_BENCH=none skips `bench overhead`; PROBE_EXTRA still runs, with WORK set, in the probe's
     session."""
@@ -194,6 +211,7 @@ def test_pack_brings_the_probes_measurements(tmp_path) -> None:
     made = ["probe.log", "time-alone.json", "bench-aa.json", "profile-det.txt", "probe-tests.log"]
     for name in [*made, "checkpoint", "notes.md"]:
         (work / name).write_text("x\n")
+    (tmp_path / "q.json").write_text("{}")
     env = {**os.environ, "WORK": str(work), "OUT": str(out), "PHASE": "pack",
            "QUEUE": str(tmp_path / "q.json")}  # a queue with no records: no queue pack
     pack = subprocess.run(["bash", str(ROOT / "scripts" / "h200-study.sh")], env=env, cwd=ROOT,
