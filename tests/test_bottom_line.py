@@ -461,7 +461,7 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     box = in_short.what_to_change()
     assert box.startswith("**What to change, in short**") and "0 of 17 runs ran away" in box
     authors = next(test for test in secondary_tests() if test.arms == ("paper64", "fa2"))
-    assert f"`fa2` in 0 of 8 (a secondary test, corrected p = {authors.corrected:.2g})" in box
+    assert f"`fa2` in 0 of 8 (a secondary test, corrected p = {authors.corrected:#.2g})" in box
     fp32pv = [load_run(f) for f in sorted((EXPLODE / "survival").glob("fp32pv-s[0-9]"))]
     went = sum(runaway_step(r) is not None for r in fp32pv)
     assert went and f"in {went} of {len(fp32pv)} runs of chapter 3's study at 32,768 (`fp32pv`)" in box
