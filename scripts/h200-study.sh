@@ -52,10 +52,31 @@ if [ "$PHASE" != unpack ] && [ "$PHASE" != take ]; then
   done
 fi
 mkdir -p "$WORK"
+WORK=$(cd "$WORK" && pwd)  # absolute: a probe and a go run from their own tree (below)
+
+snapshot() {
+  # The tree a probe or a go runs from, $WORK/tree-$PHASE: lib, scripts, tests and each queue's folder as they
+  # are now, data linked. Each device call copies the working tree to the machine again, lib/ and results/
+  # replaced while it lands: a study reading them then found neither library nor records, and ran again
+  # what was done. QUEUE becomes the copies' paths (relative to the tree).
+  local tree="$WORK/tree-$PHASE" queue rel queues=""
+  rm -rf "$tree" && mkdir -p "$tree" && cp -a lib scripts tests pyproject.toml "$tree"/ || exit 1
+  for queue in $QUEUE; do
+    rel=${queue#/}
+    mkdir -p "$tree/$(dirname "$rel")" && cp -a "$(dirname "$queue")/." "$tree/$(dirname "$rel")/" || exit 1
+    queues="$queues $rel"
+  done
+  ln -s "$PWD/data" "$tree/data"
+  cd "$tree" || exit 1
+  export PYTHONPATH="$tree/lib:$PYTHONPATH"
+  QUEUE=${queues# }
+}
+
 case "$PHASE" in
 unpack)
   python3 -m lowprec.cli data unpack "$SHARDS" --out "$DATA" ;;
 probe)
+  snapshot
   # shellcheck disable=SC2016
   setsid nohup bash -c '
     [ -n "${PROBE_TESTS:-}" ] && python3 -m pytest -q -p no:cacheprovider --noconftest tests/test_flash_kernel.py \
@@ -109,6 +130,7 @@ print(2 if gain >= float(sys.argv[2]) else 1)' "$WORK" "${PAIR_GAIN:-1.4}" || ec
     fi
     export SLOTS
   fi
+  snapshot
   if [ -n "${END_AT:-}" ]; then
     END=$END_AT
     echo "seconds to END_AT: $(( END_AT - $(date +%s) ))"

@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
-from lowprec.runs import LIBRARY, library_files
+from lowprec.runs import LIBRARY, library_files, library_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["block_size=32", "n_embd=32", "batch_size=4", "log_interval=1", "telemetry_interval=4",
@@ -42,11 +43,21 @@ def library_repo(folder: Path, changed: bool = False) -> Path:
     return folder
 
 
+def copy_of_the_tree(folder: Path) -> Path:
+    """What a device call lands: the library, scripts, tests and pyproject.toml in `folder`."""
+    for name in ("lib", "scripts", "tests"):
+        shutil.copytree(ROOT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", folder)
+    return folder
+
+
 def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
+    """The go runs from its own copy of the tree: the next call's copy of the tree, landing while the study
+    starts (here: the library gone, the queue files empty), changes nothing it does."""
     cell = {"arm": "attn-fp32", "seed": 1, "tag": "lr8e-3", "overrides": ["lr=8e-3"]}
     first = queue(tmp_path / "grid", [cell], {"attn-fp32": 5})
     second = queue(tmp_path / "survival", [{"arm": "model-fp32", "seed": 1}], {"model-fp32": 1e6})
-    work, out = tmp_path / "work", tmp_path / "out"
+    work, out, tree = tmp_path / "work", tmp_path / "out", copy_of_the_tree(tmp_path / "tree")
     work.mkdir()
     out.mkdir()
     (work / "time-model-fp32.json").write_text(json.dumps({"projected_s": 10.0}))  # a probe's measurement
@@ -55,22 +66,32 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     (work / "probe.pid").write_text(f"{ended.pid}\n")  # a probe that has ended
     (work / "probe-tests.log").write_text(".\n3 passed, 95 deselected in 27.75s\n")  # its GPU tests
     env = {**os.environ, "WORK": str(work), "OUT": str(out), "QUEUE": f"{first} {second}",
-           "PYTHONPATH": str(ROOT / "lib"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    script = ["bash", str(ROOT / "scripts" / "h200-study.sh")]
+           "PYTHONPATH": str(tree / "lib"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = ["bash", str(tree / "scripts" / "h200-study.sh")]
     # the runs name a commit by a tag that two repositories give different libraries (below, the take)
     go = subprocess.run(script, env={**env, "PHASE": "go", "MINUTES": "4", "FIRST": "1",
-                                     "LOWPREC_GIT_COMMIT": "the-commit-sent"}, cwd=ROOT,
+                                     "LOWPREC_GIT_COMMIT": "the-commit-sent"}, cwd=tree,
                         capture_output=True, text=True, timeout=120)
     assert go.returncode == 0 and "probe: --estimate model-fp32=70" in go.stdout
     assert "probe tests: 3 passed, 95 deselected in 27.75s" in go.stdout  # seen before the study starts
+    queues = {path: path.read_text() for path in (first, second)}
+    shutil.rmtree(tree / "lib")  # the next call's copy landing
+    (tree / "lib").mkdir()
+    for path in queues:
+        path.write_text("")
     start = int(time.time())
     wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "540", "CALL_START": str(start)},
-                          cwd=ROOT, capture_output=True, text=True, timeout=620)
+                          cwd=tree, capture_output=True, text=True, timeout=620)
     assert wait.returncode == 0, wait.stderr
+    for path, text in queues.items():
+        path.write_text(text)
     log = (work / "go.log").read_text()
     rest = float(re.search(r"study survival: ([0-9.]+) minutes", log).group(1))  # the first's rest, less 30 s
     assert "study grid: 1 minutes" in log and 0 < rest <= 3.5, log
     assert "start model-fp32-s1 (expected 70 s)" in log  # the measured estimate, not the queue's 1e6
+    for study_log in (work / "grid").glob("study-*.json"):  # its library read whole, not a landing copy's
+        assert json.loads(study_log.read_text())["provenance"]["library_sha256"] == \
+            library_sha256(library_files())
     for name, run in (("grid", "attn-fp32-lr8e-3-s1"), ("survival", "model-fp32-s1")):
         with tarfile.open(out / f"{name}.tgz") as pack:
             assert f"{name}/{run}/summary.json" in pack.getnames()
