@@ -35,8 +35,8 @@
 #   PHASE=take PACK=<queue>.tgz    here, not on the GPU machine: copies a pack's done runs (an outcome at the
 #                                  queue's horizon, `study.run_state`) and study logs into INTO/<queue folder>
 #                                  (default results/explode, which holds queue.json), metrics gzipped; a run
-#                                  whose library is not what its named commit holds (`runs.code_matches`)
-#                                  is left out
+#                                  whose library is not what its named commit holds (`runs.code_matches`),
+#                                  or that INTO already holds with an outcome, is left out
 # QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues' files by
 # path (a name that is not a file is refused); a queue's records go to $WORK/<queue folder>.
 # Usage (repo root; the machine has no git history, so pass the commit):
@@ -205,10 +205,16 @@ horizon = study.load_queue(sys.argv[2])["horizon"]
 for run in sorted(p for p in Path(sys.argv[1]).iterdir() if p.is_dir()):
     state = study.run_state([run], horizon)[0]
     prov = load_record(run, ("provenance",))["provenance"] if state == "done" else {}
-    print(run.name, state, code_matches(prov, Path.cwd()), prov.get("git_commit"))  # cwd: this repository
-' "$queue" "$into/$name/queue.json" | while read -r run_name state same commit; do
+    here = study.run_state([Path(sys.argv[3]) / run.name], horizon)[0]
+    print(run.name, state, here, code_matches(prov, Path.cwd()), prov.get("git_commit"))  # cwd: this repo
+' "$queue" "$into/$name/queue.json" "$into/$name" | while read -r run_name state here same commit; do
       if [ "$state" != done ]; then
         echo "$name/$run_name: no outcome at the horizon (still running when packed, or stopped), left out"
+        continue
+      fi
+      if [ "$here" = done ]; then
+        echo "$name/$run_name: $into/$name already holds it with an outcome (a record is never replaced)," \
+          "left out" >&2
         continue
       fi
       if [ "$same" = False ]; then

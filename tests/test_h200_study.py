@@ -119,6 +119,11 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     assert (kept / "summary.json").read_text() == (packed / "summary.json").read_text()
     assert not (into / "grid" / "fa2-lr8e-3-s1").exists() and "still running when packed" in take.stdout
     assert list((into / "grid").glob("study-*.json")), "the study's log comes along"
+    (kept / "note.txt").write_text("kept")  # a run here with an outcome is never replaced by a pack's
+    again = subprocess.run(script, env=taking, cwd=library_repo(tmp_path / "again"), capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 0 and (kept / "note.txt").exists(), again.stderr
+    assert "grid/attn-fp32-lr8e-3-s1: " in again.stderr and "already holds it with an outcome" in again.stderr
 
 
 def test_go_counts_its_minutes_from_end_at(tmp_path) -> None:
