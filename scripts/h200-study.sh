@@ -38,7 +38,9 @@
 #                                  whose library is not what its named commit holds (`runs.code_matches`),
 #                                  or that INTO already holds with an outcome, is left out
 # QUEUE (default results/explode/survival/queue.json; several separated by spaces) names the queues' files by
-# path (a name that is not a file is refused); a queue's records go to $WORK/<queue folder>.
+# path (a name that is not a file is refused); a queue's records go to $WORK/<queue folder>. A probe and a go run
+# from their own copy of the tree ($WORK/tree-probe, $WORK/tree-go), so a later call's tree may land meanwhile;
+# a go is refused while another runs.
 # Usage (repo root; the machine has no git history, so pass the commit):
 #   LOWPREC_GIT_COMMIT=$(git rev-parse HEAD) MINUTES=22 REPRO=1 PHASE=go bash scripts/h200-study.sh
 set -u
@@ -98,6 +100,11 @@ probe)
   echo $! > "$WORK/probe.pid"
   echo "probe started (pid $!)" ;;
 go)
+  if [ -e "$WORK/go.pid" ] && kill -0 "$(cat "$WORK/go.pid")" 2> /dev/null; then  # its tree, its records
+    echo "PHASE=go: a go is still running (pid $(cat "$WORK/go.pid"); its log $WORK/go.log): wait for it, or" \
+      "stop it with kill -- -$(cat "$WORK/go.pid")" >&2
+    exit 2
+  fi
   estimate=()
   if [ -e "$WORK/probe.pid" ]; then
     for _ in $(seq "${PROBE_WAIT_S:-120}"); do

@@ -89,9 +89,9 @@ def test_go_over_two_queues_then_wait_and_pack(tmp_path) -> None:
     rest = float(re.search(r"study survival: ([0-9.]+) minutes", log).group(1))  # the first's rest, less 30 s
     assert "study grid: 1 minutes" in log and 0 < rest <= 3.5, log
     assert "start model-fp32-s1 (expected 70 s)" in log  # the measured estimate, not the queue's 1e6
-    for study_log in (work / "grid").glob("study-*.json"):  # its library read whole, not a landing copy's
-        assert json.loads(study_log.read_text())["provenance"]["library_sha256"] == \
-            library_sha256(library_files())
+    study_logs = list((work / "grid").glob("study-*.json"))  # its library read whole, not a landing copy's
+    assert study_logs and all(json.loads(study_log.read_text())["provenance"]["library_sha256"] ==
+                              library_sha256(library_files()) for study_log in study_logs)
     for name, run in (("grid", "attn-fp32-lr8e-3-s1"), ("survival", "model-fp32-s1")):
         with tarfile.open(out / f"{name}.tgz") as pack:
             assert f"{name}/{run}/summary.json" in pack.getnames()
@@ -139,6 +139,11 @@ def test_go_counts_its_minutes_from_end_at(tmp_path) -> None:
     go = subprocess.run(script, env={**env, "PHASE": "go", "END_AT": str(int(time.time()) + 150)}, cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert go.returncode == 0 and re.search(r"seconds to END_AT: 1[45][0-9]\n", go.stdout), go.stdout
+    again = subprocess.run(script, env={**env, "PHASE": "go", "END_AT": str(int(time.time()) + 150)},
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)  # a second go while one runs
+    pid = (work / "go.pid").read_text().strip()
+    assert again.returncode == 2 and again.stderr == f"PHASE=go: a go is still running (pid {pid}; its log " \
+        f"{work}/go.log): wait for it, or stop it with kill -- -{pid}\n", again.stderr
     wait = subprocess.run(script, env={**env, "PHASE": "wait", "WAIT_S": "60"}, cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     log = (work / "go.log").read_text()
