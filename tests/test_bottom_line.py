@@ -503,16 +503,3 @@ def test_seeds_per_cell_says_the_runs_per_cell_in_words():
     for sizes in ((), (0, 1), (11,)):
         with pytest.raises(ValueError, match="cells of 1 to 10 runs"):
             seeds_per_cell([[0] * n for n in sizes])
-
-
-def test_corrected_if_calm_adds_calm_runs_to_the_second_arm() -> None:
-    """The secondary test's corrected p were the control's runs so many, the ones to come censored at the
-    horizon: with none to add it is the test's own; more calm runs make it no larger."""
-    test = next(t for t in secondary_tests() if t.arms == ("bf16rowsum", "model-fp32"))
-    made = len(test.outcomes[1])
-    assert test.corrected_if_calm(made) == test.corrected
-    calm = [test.corrected_if_calm(n) for n in range(made, made + 3)]
-    assert calm == sorted(calm, reverse=True) and calm[-1] < calm[0]
-    rowsum = event_times(test.outcomes[0], "runaway")
-    assert calm[1] == min(1.0, log_rank(rowsum, ([test.horizon] * (made + 1), [False] * (made + 1)))[1]
-                          * test.tests), "every model-fp32 run so far is calm at the horizon"

@@ -424,13 +424,6 @@ class SecondaryTest:
     def to_come(self) -> int:
         return sum(self.more)
 
-    def corrected_if_calm(self, runs: int) -> float:
-        """The corrected p were the second arm's runs `runs` in all, each not yet made calm to the horizon."""
-        (times, events), extra = event_times(self.outcomes[1], "runaway"), runs - len(self.outcomes[1])
-        p = log_rank(event_times(self.outcomes[0], "runaway"), (times + [self.horizon] * extra,
-                                                                events + [False] * extra))[1]
-        return self.bonferroni(p)
-
     def ends(self) -> tuple[float, float]:
         """The corrected p's range over every outcome of the two arms' runs still to be made
         (`analysis.log_rank_range`)."""
