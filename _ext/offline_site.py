@@ -7,6 +7,9 @@
   the html-manager's fonts at `_static/html-manager/` and lets it typeset labels with MathJax 3.
 * Sphinx 7.4 registers the inline config scripts of sphinx-thebe and sphinx-togglebutton twice; the second
   `const THEBE_JS_URL` throws a SyntaxError in the browser, so duplicate inline scripts are dropped.
+* the site's root `index.html`, a redirect to the first page, names an empty icon (`data:,`): the one
+  sphinx-external-toc writes names none, so a browser asks the host for /favicon.ico (a 404 in its console),
+  and a file named there would be fetched while the redirect leaves the page (an aborted request).
 """
 
 from __future__ import annotations
@@ -47,7 +50,18 @@ def copy_static(app: Sphinx, exception: Exception | None) -> None:
             shutil.copyfile(source, static / source.name)
 
 
+def write_root_redirect(app: Sphinx, exception: Exception | None) -> None:
+    """The root index.html: a redirect to the root document that needs no icon from the host (before
+    sphinx-external-toc's handler, which then leaves the file as it is)."""
+    if exception is None and app.builder.format == "html" and app.config.root_doc != "index":
+        target = app.builder.get_target_uri(app.config.root_doc)
+        (Path(app.outdir) / "index.html").write_text(
+            f'<link rel="icon" href="data:," />\n<meta http-equiv="Refresh" content="0; url={target}" />\n',
+            encoding="utf8")
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("html-page-context", on_page, priority=900)  # after every extension has added its scripts
     app.connect("build-finished", copy_static)
+    app.connect("build-finished", write_root_redirect, priority=400)  # sphinx-external-toc's runs at 500
     return {"parallel_read_safe": True, "parallel_write_safe": True}

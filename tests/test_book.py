@@ -271,6 +271,14 @@ class ExternalAssets(HTMLParser):
             self.found.append(f"<{tag}> {url}")
 
 
+def test_root_page_redirects_and_asks_for_no_icon(site: Path) -> None:
+    """The root page, a redirect to the first chapter, names an empty icon: with none a browser asks the host
+    for /favicon.ico (a 404 in its console), and a file would be fetched as the redirect leaves the page."""
+    html = (site / "index.html").read_text()
+    target = re.search(r'url=([^"]+)"', html)
+    assert '<link rel="icon" href="data:," />' in html and target and (site / target[1]).is_file(), html
+
+
 def test_site_loads_nothing_from_outside(site: Path) -> None:
     problems = {}
     for page in pages(site):
