@@ -1,13 +1,10 @@
 """Where deterministic training spends its extra time: the CUDA kernels of a few gpu-6l training steps, by
 total time, with `deterministic` on or off (one setting per process: cuBLAS reads its workspace setting once),
 on random tokens or on batches of a data folder (real text repeats some token ids thousands of times a batch).
-First it prints how many graphs Dynamo makes of the model's forward and its first break reasons;
-`--traceable-autocast 1` replaces `torch.amp.is_autocast_available`, in this process only, with a Python check
-Dynamo can trace.
+First it prints how many graphs Dynamo makes of the model's forward and its first break reasons.
 
     python3 scripts/profile_determinism.py --deterministic 1 [--data data/gpt2-english+code] > det.txt
     python3 scripts/profile_determinism.py --deterministic 0 [--data ...] > default.txt
-    python3 scripts/profile_determinism.py --deterministic 1 --traceable-autocast 1 > one-graph.txt
 """
 
 from __future__ import annotations
@@ -27,11 +24,7 @@ def main() -> None:
     parser.add_argument("--deterministic", type=int, required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--data", default=None, help="a token folder (default: random tokens)")
-    parser.add_argument("--traceable-autocast", type=int, default=0,
-                        help="1: autocast's availability check as a Python set lookup Dynamo can trace")
     args = parser.parse_args()
-    if args.traceable_autocast:
-        torch.amp.is_autocast_available = lambda device_type: device_type in {"cpu", "cuda"}
     set_determinism(bool(args.deterministic))
     cfg = get_config("gpu-6l", ["attention=triton/precision=fa2"])
     torch.manual_seed(0)
@@ -43,7 +36,7 @@ def main() -> None:
         x = torch.randint(0, 50257, (cfg.batch_size, 1024), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graphs = torch._dynamo.explain(model)(x, x)
-    print(f"traceable_autocast={args.traceable_autocast}: {graphs.graph_count} graph(s), "
+    print(f"{graphs.graph_count} graph(s), "
           f"{graphs.graph_break_count} graph break(s)")
     for reason in graphs.break_reasons[:3]:
         print("  break:", reason.reason.splitlines()[0][:200])
@@ -67,7 +60,7 @@ def main() -> None:
         loss = step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"deterministic={args.deterministic}, traceable_autocast={args.traceable_autocast}, "
+    print(f"deterministic={args.deterministic}, "
           f"{args.data or 'random tokens'}: {step_ms:.2f} ms a step, loss {loss.item():.6f}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
