@@ -36,8 +36,7 @@ def main() -> None:
         x = torch.randint(0, 50257, (cfg.batch_size, 1024), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         graphs = torch._dynamo.explain(model)(x, x)
-    print(f"{graphs.graph_count} graph(s), "
-          f"{graphs.graph_break_count} graph break(s)")
+    print(f"{graphs.graph_count} graph(s), {graphs.graph_break_count} graph break(s)")
     for reason in graphs.break_reasons[:3]:
         print("  break:", reason.reason.splitlines()[0][:200])
     torch._dynamo.reset()
