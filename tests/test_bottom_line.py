@@ -16,8 +16,10 @@ from lowprec.analysis import event_times, largest_logit, log_rank, outcome, outc
 from lowprec.runs import load_run
 from lowprec.viz.bottom_line import (
     RESULTS,
+    ROUNDS,
     STUDY,
     RunFacts,
+    SecondaryTest,
     StaleClaim,
     bf16_of,
     bias_noise_sources,
@@ -31,6 +33,7 @@ from lowprec.viz.bottom_line import (
     record_runs,
     run_rows,
     secondary_tests,
+    settled_reading,
     shared_spikes,
     study_groups,
     timed_runs,
@@ -203,7 +206,7 @@ def test_the_settled_secondary_tests_go_stale(tmp_path: Path) -> None:
         (survival / f"paper64-s{seed}").unlink()
         (survival / f"paper64-s{seed}").symlink_to(EXPLODE / "survival" / f"fa2-s{seed}")
     forget()
-    with pytest.raises(StaleClaim, match="two secondary tests below 5%, bf16rowsum and paper64 against fa2"):
+    with pytest.raises(StaleClaim, match="three secondary tests below 5% whatever runs to come give"):
         bottom_line(results)
     with pytest.raises(StaleClaim, match="paper64 against fa2: final, below 5% corrected"):
         in_short.what_to_change(results)
@@ -234,29 +237,44 @@ def test_secondary_tests_from_the_folders() -> None:
         assert test.p == log_rank(*(event_times(g, "runaway") for g in found))[1]
         assert test.corrected == min(1, test.p * len(tests))
     below, text = [(test, test.ends()) for test in tests if test.corrected < 0.05], bottom_line()
-    assert "two are settled below 5%, " in text and sum(high < 0.05 for _, (_, high) in below) == 2
+    assert "three are settled below 5%: " in text and sum(high < 0.05 for _, (_, high) in below) == 3
     for test, (low, high) in below:
         assert low <= test.corrected <= high
         assert (f"{test.label}, corrected p = {test.corrected:.2g}" if high < 0.05 else
                 f"{test.label} is below 5% too (corrected p = {test.corrected:.2g}) but not settled") in text
 
 
+def test_settled_reading_describes_each_arm_where_first_named() -> None:
+    tests = [SecondaryTest(arms, ([], []), (0, 0), 8_000, 0.0, 3)
+             for arms in (("bf16rowsum", "fa2"), ("bf16rowsum", "model-fp32"), ("paper64", "fa2"))]
+    assert settled_reading(tests) == (
+        f"{ROUNDS['bf16rowsum']}, ran away more often than {ROUNDS['fa2']}, and than {ROUNDS['model-fp32']}; "
+        f"{ROUNDS['paper64']}, ran away more often than `fa2`")
+    assert settled_reading(tests[2:]) == f"{ROUNDS['paper64']}, ran away more often than {ROUNDS['fa2']}"
+
+
 def test_a_test_below_5_percent_but_not_settled_is_named_so(tmp_path: Path) -> None:
-    """model-fp32 with seeds 1-4 and a fifth run, calm (seed 4's, linked as seed 5): bf16rowsum against
-    model-fp32 falls below 5% corrected, yet the three runs still to come could lift it again; the bottom line
-    says so and keeps its two settled tests."""
+    """model-fp32 with seeds 1-7 (a later run unlinked): paper64 against model-fp32 is below 5% corrected,
+    yet the run still to come could lift it again; the bottom line says so and keeps its three settled
+    tests. With seed 7 unlinked too, bf16rowsum against model-fp32 is no longer settled: the claim is
+    stale."""
     results, survival = survival_by_link(tmp_path)
-    for folder in survival.glob("model-fp32-s[5-8]"):  # the runs made after seed 4, if any
+    for folder in survival.glob("model-fp32-s8"):  # the run made after seed 7, if any
         folder.unlink()
-    (survival / "model-fp32-s5").symlink_to(EXPLODE / "survival" / "model-fp32-s4")
     forget()
-    test = next(test for test in secondary_tests(results) if test.arms == ("bf16rowsum", "model-fp32"))
+    test = next(test for test in secondary_tests(results) if test.arms == ("paper64", "model-fp32"))
     low, high = test.ends()
-    assert test.counts == [(8, 8), (0, 5)] and test.corrected < 0.05 < high and test.to_come == 3
+    assert test.counts == [(7, 8), (0, 7)] and test.corrected < 0.05 < high and test.to_come == 1
     text = bottom_line(results)
-    assert "two are settled below 5%, " in text
-    assert (f"{test.label} is below 5% too (corrected p = {test.corrected:.2g}) but not settled: with 3 of "
+    assert "three are settled below 5%: " in text
+    assert (f"{test.label} is below 5% too (corrected p = {test.corrected:.2g}) but not settled: with 1 of "
             f"the two arms' runs still to be made it ends between {low:.2g} and {high:.2g}.") in text
+    (survival / "model-fp32-s7").unlink()
+    forget()
+    rowsum = next(test for test in secondary_tests(results) if test.arms == ("bf16rowsum", "model-fp32"))
+    assert rowsum.corrected < 0.05 < rowsum.ends()[1] and rowsum.to_come == 2
+    with pytest.raises(StaleClaim, match="bf16rowsum against fa2 and against model-fp32, paper64 against"):
+        bottom_line(results)
 
 
 def test_survival_runaways_by_arm(lines: list[str]) -> None:

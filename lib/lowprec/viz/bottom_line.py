@@ -455,6 +455,31 @@ def secondary_tests(results: Path = RESULTS) -> list[SecondaryTest]:
     return sorted(tests, key=lambda test: test.p)
 
 
+ROUNDS = {  # each arm a settled secondary test can name, and what it rounds to bf16
+    "bf16rowsum": "`bf16rowsum`, which rounds $\\ell$ to bf16 and not $\\bar P$",
+    "paper64": "the authors' placement (`paper64`), which rounds $\\ell$ and $\\bar P$ both (and the scores, "
+               "the $\\bar P V$ result and the running output)",
+    "fa2": "the production placement (`fa2`), which rounds $\\bar P$ and not $\\ell$",
+    "model-fp32": "the model with no bf16 anywhere (`model-fp32`)"}
+
+
+def settled_reading(tests: list[SecondaryTest]) -> str:
+    """What the settled `tests` say together, in Markdown: each arm ran away more often than its controls;
+    each arm is described (`ROUNDS`) where it is first named."""
+    said: set[str] = set()
+
+    def name(arm: str) -> str:
+        first = arm not in said
+        said.add(arm)
+        return ROUNDS[arm] if first else f"`{arm}`"
+
+    controls: dict[str, list[str]] = {}
+    for test in tests:
+        controls.setdefault(test.arms[0], []).append(test.arms[1])
+    return "; ".join(f"{name(arm)}, ran away more often than " + ", and than ".join(map(name, against))
+                     for arm, against in controls.items())
+
+
 def half_rate(results: Path = RESULTS) -> HalfRate:
     """The `HalfRate` runs of the records (`lr_finding` checks what it says of them)."""
     half = [r for group in grid_cell("1e-3", False, results).values() for r in group]
@@ -668,8 +693,10 @@ def bottom_line(results: Path = RESULTS) -> str:
     secondary = secondary_tests(results)
     below = [(test, test.ends()) for test in secondary if test.corrected < 0.05]
     settled = [(test, ends) for test, ends in below if test.settled]
-    claim([test.arms for test, _ in settled] == [("bf16rowsum", "fa2"), ("paper64", "fa2")],
-          "two secondary tests below 5%, bf16rowsum and paper64 against fa2, whatever runs to come give")
+    claim([test.arms for test, _ in settled] == [("bf16rowsum", "fa2"), ("bf16rowsum", "model-fp32"),
+                                                  ("paper64", "fa2")],
+          "three secondary tests below 5% whatever runs to come give: bf16rowsum against fa2 and against "
+          "model-fp32, paper64 against fa2")
     finding = lr_finding(results)  # its claims include: no run without bf16 anywhere (`control`) ran away
     control = len(half_rate(results).control)
     nor = {0: "", 1: ", nor the one run with no bf16 anywhere"}.get(
@@ -693,8 +720,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         "**Why, as far as the records show.** In short: the paper's biased rounding of $\\bar P V$ is not "
         "needed for a runaway; at half the recipe's learning rate every run with bf16 attention ran away and "
         "none with attention in fp32" + nor + "; rounding the row sum $\\ell$ to bf16 made runaways more "
-        "likely than keeping it in fp32 (the study's primary test) and than the production placement (a "
-        "secondary test), as did the authors' placement (another); which bf16 rounding point starts the "
+        "likely than keeping it in fp32 (the study's primary test), than the production placement and than "
+        "no bf16 anywhere (two secondary tests), and the authors' placement more likely than the production "
+        "placement (another); which bf16 rounding point starts the "
         "production placement's "
         "runaways (its $\\ell$ is fp32) is open. In full: " + finding
         + " Which rounding point, at the recipe's rate: "
@@ -710,13 +738,12 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"exact test, two-sided, p = {primary.p:#.2g}; within seeds p = {primary.p_seeds:#.2g}): rounding "
         f"only $\\ell$ to bf16 made the runaway more likely than keeping it in fp32. Of the study's "
         f"{len(secondary)} secondary tests (each arm's runaways against `fa2` and against `model-fp32`, "
-        f"exact log-rank tests corrected for their number) two are settled below 5%, "
-        + " and ".join(f"{test.label}, corrected p = {test.corrected:#.2g}"
-                       + (f" ({low:#.2g} to {high:#.2g} whatever the runs still to be made give)"
-                          if test.to_come else " (both arms complete)") for test, (low, high) in settled)
-        + ": rounding $\\ell$ to bf16 and not $\\bar P$ made the runaway more likely than the production "
-        "placement, which rounds $\\bar P$ and not $\\ell$, and so did the authors' placement, which rounds "
-        "$\\ell$ and $\\bar P$ both (and the scores, the $\\bar P V$ result and the running output)."
+        f"exact log-rank tests corrected for their number) {NUMBER_WORDS[len(settled) - 1]} are settled "
+        f"below 5%: "
+        + "; ".join(f"{test.label}, corrected p = {test.corrected:#.2g}"
+                    + (f" ({low:#.2g} to {high:#.2g} whatever the runs still to be made give)"
+                       if test.to_come else " (both arms complete)") for test, (low, high) in settled)
+        + ". That is, " + settled_reading([test for test, _ in settled]) + "."
         + "".join(f" {test.label} is below 5% too (corrected p = {test.corrected:#.2g}) but not settled: "
                   f"with {test.to_come} of the two arms' runs still to be made it ends between {low:#.2g} "
                   f"and {high:#.2g}." for test, (low, high) in below if not test.settled)
@@ -767,8 +794,9 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"half and twice it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model "
         f"with no bf16 anywhere (`model-fp32`) in none of its {len(fp32_model) + control} "
         f"({len(fp32_model)} at the recipe's rate, {control} at half): at half the rate, where every bf16 "
-        f"run ran away, that contrast holds within seeds too (above); at the recipe's rate the runs are "
-        f"still too few to tell. A lower learning rate is no remedy on this evidence: at half the recipe's "
+        f"run ran away, that contrast holds within seeds too (above); at the recipe's rate `fa2` ran away in "
+        f"none of its {len(plain_fa2)} runs either, so there these runs show no gain over the production "
+        f"placement. A lower learning rate is no remedy on this evidence: at half the recipe's "
         f"rate both bf16 placements ran away ({', '.join(f'`{arm}`' for arm in half_went)}, "
         f"{len({r.seed for group in half.values() for r in group})} seeds each), sooner than at the "
         f"recipe's. Keep the row sum $\\ell$ and the scores in fp32, as the production placement does (with "
