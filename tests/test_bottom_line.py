@@ -251,6 +251,8 @@ def test_settled_reading_describes_each_arm_where_first_named() -> None:
         f"{ROUNDS['bf16rowsum']}, ran away more often than {ROUNDS['fa2']}, and than {ROUNDS['model-fp32']}; "
         f"{ROUNDS['paper64']}, ran away more often than `fa2`")
     assert settled_reading(tests[2:]) == f"{ROUNDS['paper64']}, ran away more often than {ROUNDS['fa2']}"
+    with pytest.raises(StaleClaim, match="not of fa2-consistent"):
+        settled_reading([dataclasses.replace(tests[0], arms=("fa2-consistent", "fa2"))])
 
 
 def test_a_test_below_5_percent_but_not_settled_is_named_so(tmp_path: Path) -> None:

@@ -469,6 +469,7 @@ def settled_reading(tests: list[SecondaryTest]) -> str:
     said: set[str] = set()
 
     def name(arm: str) -> str:
+        claim(arm in ROUNDS, f"settled tests of the arms ROUNDS describes, not of {arm}")
         first = arm not in said
         said.add(arm)
         return ROUNDS[arm] if first else f"`{arm}`"
