@@ -59,8 +59,8 @@ def main() -> None:
         loss = step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"deterministic={args.deterministic}, "
-          f"{args.data or 'random tokens'}: {step_ms:.2f} ms a step, loss {loss.item():.6f}")
+    print(f"deterministic={args.deterministic}, {args.data or 'random tokens'}: {step_ms:.2f} ms a step, "
+          f"loss {loss.item():.6f}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()
