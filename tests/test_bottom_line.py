@@ -12,7 +12,16 @@ import statistics
 from pathlib import Path
 
 import pytest
-from lowprec.analysis import event_times, largest_logit, log_rank, outcome, outcomes, runaway_step, wilson
+from lowprec.analysis import (
+    event_times,
+    largest_logit,
+    log_rank,
+    outcome,
+    outcomes,
+    runaway_step,
+    sign_test,
+    wilson,
+)
 from lowprec.runs import load_run
 from lowprec.viz.bottom_line import (
     RESULTS,
@@ -30,6 +39,7 @@ from lowprec.viz.bottom_line import (
     explode_runs,
     hunt_records,
     lr_finding,
+    qk_changed,
     record_runs,
     run_rows,
     secondary_tests,
@@ -387,6 +397,24 @@ def test_lr_finding_against_the_folders() -> None:
     pairs = twins()
     assert pairs and all(a.seed == b.seed and a.arm == b.arm and a.lr == b.lr for a, b in pairs)
     assert {b.name for _, b in pairs} <= {f"lr-qknorm/{f.name}" for f in normed}
+
+
+def test_qk_changed_counts_the_same_seed_pairs_from_the_folders(lines: list[str]) -> None:
+    """The same-seed pairs that parted on a runaway, read folder by folder: each QK-LayerNorm run beside its
+    seed's run without it (same placement and learning rate)."""
+    lr = EXPLODE / "lr-qknorm"
+    parted = {"without": 0, "with": 0}
+    for normed in lr.glob("*-qkln-s[0-9]"):
+        plain = lr / normed.name.replace("-qkln", "")
+        if (plain / "summary.json").is_file():
+            went = [runaway_step(load_run(f)) is not None for f in (plain, normed)]
+            if went[0] != went[1]:
+                parted["without" if went[0] else "with"] += 1
+    k = parted["without"]
+    assert parted == {"without": 11, "with": 0}
+    assert qk_changed() == (k, 0, sign_test(k, k)) and f"{sign_test(k, k):.2g}" == "0.00098"
+    assert f"in the {k} of those pairs in which one run ran away, it was always the one without it" \
+        in lines[2]
 
 
 def test_lr_finding_goes_stale(tmp_path: Path) -> None:

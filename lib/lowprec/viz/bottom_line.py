@@ -7,8 +7,8 @@ results/explode/ once, `explode_runs` makes each a `RunFacts` row (arm, seed, to
 runaway, spike, explosion); `record_runs` names every run as the chapters do, `run_rows` makes their table
 rows and `early_rows` picks the earlier recipes'; `select`, `tally`, `rate`, `queue_progress`, `study_groups`,
 `tokens_per_s` and `shared_spikes` (`common_spikes`) count them for the chapters too; `grid_runs`,
-`grid_cell`, `qk_pairs` and `twins` read the learning-rate x QK-LayerNorm queue, and `lr_finding` words what
-it shows (claims checked) for the intro and chapters 3 to 5 alike.
+`grid_cell`, `qk_pairs`, `twins` and `qk_changed` read the learning-rate x QK-LayerNorm queue, and
+`lr_finding` words what it shows (claims checked) for the intro and chapters 3 to 5 alike.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lowprec.analysis import (
     outcomes,
     recipe,
     recipe_label,
+    sign_test,
     split_name,
     stratified_p,
     wilson,
@@ -290,6 +291,15 @@ def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
     rate (`grid_runs`), in `qk_pairs` order."""
     return [(plain, normed) for without, with_it in qk_pairs(results).values()
             for normed in with_it for plain in without if plain.seed == normed.seed]
+
+
+def qk_changed(results: Path = RESULTS) -> tuple[int, int, float]:
+    """Of the same-seed pairs (`twins`): how many ran away only without QK-LayerNorm, how many only with it,
+    and the two-sided sign test of those two counts (`analysis.sign_test`)."""
+    pairs = twins(results)
+    without = sum(a.runaway is not None and b.runaway is None for a, b in pairs)
+    with_it = sum(b.runaway is not None and a.runaway is None for a, b in pairs)
+    return without, with_it, sign_test(without, without + with_it)
 
 
 TIMING_DEVICE = "NVIDIA H200"  # speeds compare runs made on this GPU only (study runs came on H100s too)
@@ -709,6 +719,8 @@ def bottom_line(results: Path = RESULTS) -> str:
     final = {r.name: records[r.name].summary["final_loss"] for pair in compared for r in pair}
     claim(compared and all(final[b.name] < final[a.name] for a, b in compared),
           "QK-LayerNorm: a lower final loss than its same-seed twin without it")
+    only_without, only_with, qk_p = qk_changed(results)
+    claim(only_without and not only_with, "QK-LayerNorm: of same-seed pairs, only runs without it ran away")
     half = grid_cell("1e-3", False, results)  # lr_finding checked it
     half_went = [arm for arm, group in half.items() if group and all(r.runaway is not None for r in group)]
     normed_logit = [largest_logit(records[r.name]) for r in normed]
@@ -782,8 +794,10 @@ def bottom_line(results: Path = RESULTS) -> str:
         f"spiked (learning rates {latex(lrs[0])} to {latex(lrs[-1])}, {seeds} per placement and rate; "
         f"largest logit {min(normed_logit):.0f}-{max(normed_logit):.0f}), and each of the {len(compared)} "
         f"that have a same-seed twin without it ended with the lower loss "
-        f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}): the one "
-        f"change here that held in every placement, at {seeds} each. Or compute attention in fp32 "
+        f"({loss_range(b for _, b in compared)} against {loss_range(a for a, _ in compared)}); in the "
+        f"{only_without} of those pairs in which one run ran away, it was always the one without it (a "
+        f"two-sided sign test, chosen after the runs: p = {qk_p:.2g}): the one change here that held in "
+        f"every placement, at {seeds} each. Or compute attention in fp32 "
         f"(`attn-fp32`, {fp32_cost:.1f} times `fa2`'s training time per token on the H200): it ran away in "
         f"none of its {len(fp32_below)} runs below four times the recipe's rate ({grid_steps:,} steps at "
         f"half and twice it, {len(fp32_attn)} survival runs of {survival_steps:,} steps at it), the model "
