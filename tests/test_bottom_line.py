@@ -413,6 +413,7 @@ def test_qk_changed_counts_the_same_seed_pairs_from_the_folders(lines: list[str]
     k = parted["without"]
     assert parted == {"without": 11, "with": 0}
     assert qk_changed() == (k, 0, sign_test(k, k)) and f"{sign_test(k, k):.2g}" == "0.00098"
+    assert [qk_changed(arm=arm)[:2] for arm in ("fa2", "paper64", "attn-fp32")] == [(4, 0), (5, 0), (2, 0)]
     assert f"in the {k} of those pairs in which one run ran away, it was always the one without it" \
         in lines[2]
 
