@@ -99,7 +99,8 @@ def test_numbers_match_an_independent_count(lines: list[str]) -> None:
     assert stated_steps in lines[0]
     queue = json.loads((EXPLODE / "lr-qknorm" / "queue.json").read_text())
     done = [f for f in (EXPLODE / "lr-qknorm").iterdir() if (f / "summary.json").is_file()]
-    assert f"done: {len(done)} of the {len(queue['runs'])} runs" in lines[3]
+    assert len(done) == len(queue["runs"]) and f"(all {len(done)} runs of that study are done;" in lines[3]
+    assert "the learning rate between and beyond the 4 rates measured and past 4,000 steps" in lines[3]
     survival = json.loads((EXPLODE / "survival" / "queue.json").read_text())["runs"]
     per_arm = {arm: sum(r["arm"] == arm for r in survival) for arm in {r["arm"] for r in survival}}
     assert set(per_arm.values()) == {8}
@@ -416,6 +417,18 @@ def test_qk_changed_counts_the_same_seed_pairs_from_the_folders(lines: list[str]
     assert [qk_changed(arm=arm)[:2] for arm in ("fa2", "paper64", "attn-fp32")] == [(4, 0), (5, 0), (2, 0)]
     assert f"in the {k} of those pairs in which one run ran away, it was always the one without it" \
         in lines[2]
+
+
+def test_untested_counts_the_learning_rate_study_while_it_runs(tmp_path: Path) -> None:
+    """With a run of the learning-rate queue not yet made, the untested line says how many are done."""
+    results = synthetic(tmp_path)
+    shutil.rmtree(results / "explode" / "lr-qknorm" / "attn-fp32-lr4e-3-qkln-s2")
+    forget()
+    try:
+        untested = bottom_line(results).split("\n\n")[3]
+    finally:
+        forget()
+    assert "(done: 49 of the 50 runs of that study;" in untested and "are done;" not in untested
 
 
 def test_lr_finding_goes_stale(tmp_path: Path) -> None:

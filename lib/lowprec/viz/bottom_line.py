@@ -855,10 +855,14 @@ def bottom_line(results: Path = RESULTS) -> str:
         first_difference(run, first, None) is None
         and run.summary["weights_sha256"] == first.summary["weights_sha256"]
         for run, first in again.values()), "two survival runs made twice: same values, same weights")
+    grid = grid_runs(results)
+    lr_progress = (f"all {lr_total} runs of that study are done" if lr_done == lr_total
+                   else f"done: {lr_done} of the {lr_total} runs of that study")
     untested = (
-        f"**Untested.** QK-LayerNorm beyond {seeds} per placement and rate, and the learning rate's "
-        f"threshold (done: {lr_done} of the {lr_total} runs of that study; runaways by learning rate, "
-        f"without and with QK-LayerNorm: {by_rate(grid_runs(results))}), QK-clip, z-loss and larger "
+        f"**Untested.** QK-LayerNorm beyond {seeds} per placement and rate, the learning rate between and "
+        f"beyond the {len({lr for _, lr, _ in grid})} rates measured and past {grid_steps:,} steps "
+        f"({lr_progress}; runaways by learning rate, without and with QK-LayerNorm: {by_rate(grid)}), "
+        f"QK-clip, z-loss and larger "
         f"models (none ran past {max(larger):,} steps); of the survival study's {sv_total} runs, "
         f"{sv_done} are done (runaways by arm: {per_group(study_arms)}; every one in layer index 1), and "
         f"even complete its {per_arm} runs per arm tell a 60% runaway rate from none only "
