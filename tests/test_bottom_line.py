@@ -511,6 +511,7 @@ def test_the_chapters_summaries_count_from_the_records() -> None:
     assert in_short.growing_heads() is in_short.growing_heads(), "the criterion records are read once"
     box = in_short.what_to_change()
     assert box.startswith("**What to change, in short**") and "0 of 24 runs ran away" in box
+    assert "in all 11 same-seed pairs in which one run ran away, it was the one without QK-LayerNorm" in box
     authors = next(test for test in secondary_tests() if test.arms == ("paper64", "fa2"))
     assert f"`fa2` in 0 of 8 (a secondary test, corrected p = {authors.corrected:#.2g})" in box
     fp32pv = [load_run(f) for f in sorted((EXPLODE / "survival").glob("fp32pv-s[0-9]"))]

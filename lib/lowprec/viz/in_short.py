@@ -27,6 +27,7 @@ from lowprec.viz.bottom_line import (
     half_rate,
     horizon,
     normed_seeds,
+    qk_changed,
     qk_pairs,
     run_rows,
     secondary_tests,
@@ -165,6 +166,8 @@ def what_to_change(results: Path = RESULTS) -> str:
     claim({lr for _, lr in normed} == {8e-3, 4e-3, 2e-3, 1e-3} and tally(normed_runs, "runaway")[0] == 0,
           "QK-LayerNorm: half to four times the recipe's rate, no runaway")
     per_placement = {arm: sum(a == arm for a, _ in normed) for arm in GRID_PLACEMENTS}
+    parted, against, parted_p = qk_changed(results)  # same-seed pairs in which one run ran away
+    claim(parted and not against, "QK-LayerNorm: of same-seed pairs, only runs without it ran away")
     seeds = normed_seeds(results)
     fast_fp32 = grid_cell("8e-3", results=results)["attn-fp32"]
     wide_fp32 = [r for name, r in explode_runs(results).items()
@@ -195,7 +198,8 @@ def what_to_change(results: Path = RESULTS) -> str:
         + ", from half to four times the recipe's). Attention in fp32 ran away at four times the rate, and "
         f"an fp32 row sum at {LARGE:,} tokens per step and in {tally(study_fp32pv, 'runaway')[0]} of "
         f"{len(study_fp32pv)} runs of chapter 3's study at {SMALL:,} (`fp32pv`). {len(normed_runs)} runs, "
-        f"{seeds} per cell, are not a rate.\n"
+        f"{seeds} per cell, are not a rate; but in all {parted} same-seed pairs in which one run ran away, "
+        f"it was the one without QK-LayerNorm (sign test p = {parted_p:.2g}, chosen after the runs).\n"
         "- **`consistent` is this library's option**, a custom kernel (our Triton kernel's "
         "`precision=\"consistent\"`), not a setting of those kernels. It removes the production placement's "
         f"rounding bias, but in bf16 training `fa2-consistent` ran away in {went[1]} of "
