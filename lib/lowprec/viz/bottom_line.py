@@ -293,10 +293,12 @@ def twins(results: Path = RESULTS) -> list[tuple[RunFacts, RunFacts]]:
             for normed in with_it for plain in without if plain.seed == normed.seed]
 
 
-def qk_changed(results: Path = RESULTS, arm: str | None = None) -> tuple[int, int, float]:
-    """Of the same-seed pairs (`twins`; of placement `arm` only, if given): how many ran away only without
-    QK-LayerNorm, how many only with it, and the two-sided sign test of those two counts (`sign_test`)."""
-    pairs = [(a, b) for a, b in twins(results) if arm is None or a.arm == arm]
+def qk_changed(results: Path = RESULTS, arm: str | None = None,
+               lr: float | None = None) -> tuple[int, int, float]:
+    """Of the same-seed pairs (`twins`; of placement `arm` and learning rate `lr` only, where given): how many
+    ran away only without QK-LayerNorm, how many only with it, and the two-sided sign test of those two counts
+    (`sign_test`)."""
+    pairs = [(a, b) for a, b in twins(results) if arm in (None, a.arm) and lr in (None, a.lr)]
     without = sum(a.runaway is not None and b.runaway is None for a, b in pairs)
     with_it = sum(b.runaway is not None and a.runaway is None for a, b in pairs)
     return without, with_it, sign_test(without, without + with_it)
