@@ -431,6 +431,21 @@ def test_untested_counts_the_learning_rate_study_while_it_runs(tmp_path: Path) -
     assert "(done: 49 of the 50 runs of that study;" in untested and "are done;" not in untested
 
 
+def test_untested_counts_the_survival_study_while_it_runs(tmp_path: Path, lines: list[str]) -> None:
+    """With the survival queue complete the untested line says so; with a run not yet made it says how many
+    are done, and that even complete the arms are small."""
+    assert "all 56 runs of the survival study are done (" in lines[3] and "even complete" not in lines[3]
+    results, survival = survival_by_link(tmp_path)
+    (survival / "attn-fp32-s8").unlink()
+    forget()
+    try:
+        untested = bottom_line(results).split("\n\n")[3]
+    finally:
+        forget()
+    assert "of the survival study's 56 runs, 55 are done (" in untested
+    assert "even complete its 8 runs" in untested
+
+
 def test_lr_finding_goes_stale(tmp_path: Path) -> None:
     results = synthetic(tmp_path)
     lr = results / "explode" / "lr-qknorm"

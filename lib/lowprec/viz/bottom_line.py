@@ -860,14 +860,17 @@ def bottom_line(results: Path = RESULTS) -> str:
     grid = grid_runs(results)
     lr_progress = (f"all {lr_total} runs of that study are done" if lr_done == lr_total
                    else f"done: {lr_done} of the {lr_total} runs of that study")
+    sv_progress, sv_even = (
+        (f"all {sv_total} runs of the survival study are done", "") if sv_done == sv_total
+        else (f"of the survival study's {sv_total} runs, {sv_done} are done", "even complete "))
     untested = (
         f"**Untested.** QK-LayerNorm beyond {seeds} per placement and rate, the learning rate between and "
         f"beyond the {len({lr for _, lr, _ in grid})} rates measured and past {grid_steps:,} steps "
         f"({lr_progress}; runaways by learning rate, without and with QK-LayerNorm: {by_rate(grid)}), "
         f"QK-clip, z-loss and larger "
-        f"models (none ran past {max(larger):,} steps); of the survival study's {sv_total} runs, "
-        f"{sv_done} are done (runaways by arm: {per_group(study_arms)}; every one in layer index 1), and "
-        f"even complete its {per_arm} runs per arm tell a 60% runaway rate from none only "
+        f"models (none ran past {max(larger):,} steps); {sv_progress} (runaways by arm: "
+        f"{per_group(study_arms)}; every one in layer index 1), and {sv_even}its {per_arm} runs per arm tell "
+        f"a 60% runaway rate from none only "
         f"{detection_power(0.6, 0.0, per_arm):.0%} of the time (Fisher's exact test at 5%): enough for a "
         f"large effect, not for a modest one. "
         f"Same-seed runs in the older records are not repeatable: two default-mode "
