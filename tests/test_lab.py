@@ -220,7 +220,12 @@ class Chapter:
         for i in self.needs:
             cell = cells.nth(i)
             for _ in range(3):
-                cell.locator(".jp-InputPrompt").first.click()
+                try:
+                    cell.locator(".jp-InputPrompt").first.click()
+                except PlaywrightTimeout:  # something covers the cell: say what, if the lab shows a dialog
+                    dialog = self.page.locator(".jp-Dialog")
+                    shown = f" (a dialog covers it: {dialog.first.inner_text()!r})" if dialog.count() else ""
+                    pytest.fail(f"{self.name}: cell {i} could not be clicked{shown}")
                 self.page.keyboard.press("Control+Enter")
                 try:
                     self.page.wait_for_function(QUEUED, arg=cell.element_handle(), timeout=10_000)
